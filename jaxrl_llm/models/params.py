@@ -1,0 +1,79 @@
+"""Params as plain nested dicts of arrays, their shardings, and random initialisation.
+
+The trainer, the checkpointer and the engines all hold params as a pure dict (the same tree that
+`nnx.to_pure_dict(nnx.state(model))` gives) plus a static graphdef. `nnx.merge(graphdef, params)`
+rebuilds a callable model inside jit at no run-time cost.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from jaxrl_llm import sharding
+from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.hf_table import logical_axes_tree, param_table
+from jaxrl_llm.models.qwen2 import Qwen2Critic, Qwen2ForCausalLM, abstract_model
+
+
+def graphdef_and_abstract_params(cfg: Qwen2Config, *, critic: bool = False):
+    """(graphdef, params tree of ShapeDtypeStruct)."""
+    graphdef, state = nnx.split(abstract_model(cfg, critic=critic))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def param_shardings(cfg: Qwen2Config, mesh: Mesh | None, *, critic: bool = False):
+    """A tree of shardings matching the params, from the logical axes of the HF table."""
+    _, abstract = graphdef_and_abstract_params(cfg, critic=critic)
+    axes = logical_axes_tree(cfg, critic=critic)
+    if mesh is None:
+        dev = SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda _: dev, abstract)
+    return jax.tree.map(lambda a, ax: sharding.named_sharding(mesh, ax, a.shape), abstract, axes,
+                        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def init_params(cfg: Qwen2Config, *, mesh: Mesh | None = None, seed: int = 0, critic: bool = False):
+    """Random params created directly in their sharded layout (never whole on one device)."""
+    cls = Qwen2Critic if critic else Qwen2ForCausalLM
+    shardings = param_shardings(cfg, mesh, critic=critic)
+
+    def make(key):
+        return nnx.to_pure_dict(nnx.state(cls(cfg, rngs=nnx.Rngs(params=key))))
+
+    return jax.jit(make, out_shardings=shardings)(jax.random.key(seed))
+
+
+def init_model(cfg: Qwen2Config, *, mesh: Mesh | None = None, seed: int = 0, critic: bool = False):
+    """A model with random params (HF's init: normal(initializer_range), zero biases, unit norms)."""
+    graphdef, _ = graphdef_and_abstract_params(cfg, critic=critic)
+    return nnx.merge(graphdef, init_params(cfg, mesh=mesh, seed=seed, critic=critic))
+
+
+def split_model(model: nnx.Module):
+    """(graphdef, params dict) of a model."""
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def cast_params(params, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def count_params(params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def check_param_tree(cfg: Qwen2Config, params, *, critic: bool = False) -> None:
+    """Raises ValueError naming the first leaf whose path or shape differs from the config's."""
+    for row in param_table(cfg, critic=critic):
+        node = params
+        for key in row.path:
+            if not isinstance(node, dict) or key not in node:
+                raise ValueError(f"params: missing {'/'.join(row.path)}")
+            node = node[key]
+        if tuple(node.shape) != row.shape(cfg):
+            raise ValueError(f"params: {'/'.join(row.path)} has shape {tuple(node.shape)}, "
+                             f"the config needs {row.shape(cfg)}")
+

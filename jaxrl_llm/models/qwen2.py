@@ -1,0 +1,341 @@
+"""Qwen2 / Qwen2.5 decoder in Flax NNX.
+
+Module and parameter names follow HF (`model.layers.self_attn.q_proj.kernel`), so the HF table in
+`hf_table.py` is mostly renames. Decoder layers are stacked on a leading axis and run with
+`lax.scan`, which keeps compile time flat in depth and lets remat wrap one layer.
+
+Shapes: B batch, T query length, S key length, D model, N q-heads, K kv-heads, G = N // K,
+H head dim, F mlp, V vocab, L layers.
+
+Attention masking has two modes:
+  * `lengths` [B]: each row holds one sequence at [0, length) followed by right padding. This is the
+    trainer's layout and the one cuDNN flash attention serves directly (causal + padding).
+  * a dense boolean mask [B, 1, T, S] built from `attention_mask` (left padding) or `segment_ids`
+    (packed sequences); served by the XLA implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_llm import sharding
+from jaxrl_llm.models.config import Qwen2Config
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _dtype(name: str):
+    return jnp.dtype(name)
+
+
+# ---- positions, masks and rotary embeddings --------------------------------------------------------
+
+
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token inside its segment; padding (segment 0) gets position 0.
+
+    Args:
+      segment_ids: [B, T] int, 0 for padding, equal ids for one sequence (contiguous runs).
+    Returns:
+      [B, T] int32 positions.
+    """
+    t = segment_ids.shape[-1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    start = jnp.where(segment_ids != prev, idx, 0)
+    start = jax.lax.cummax(start, axis=1)
+    return jnp.where(segment_ids > 0, idx - start, 0)
+
+
+def segment_mask(q_segment: jax.Array, kv_segment: jax.Array, q_index: jax.Array,
+                 kv_index: jax.Array) -> jax.Array:
+    """Causal mask within segments: query i sees key j iff same non-zero segment and j <= i.
+
+    Args:
+      q_segment: [B, T] int; kv_segment: [B, S] int; q_index: [B, T] int; kv_index: [B, S] int.
+    Returns:
+      [B, 1, T, S] bool.
+    """
+    same = (q_segment[:, :, None] == kv_segment[:, None, :]) & (kv_segment[:, None, :] > 0)
+    causal = kv_index[:, None, :] <= q_index[:, :, None]
+    return (same & causal)[:, None]
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """HF's non-interleaved RoPE tables.
+
+    Args:
+      positions: [B, T] int.
+    Returns:
+      cos, sin: [B, T, H] float32.
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, H]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [B, T, heads, H]; cos/sin: [B, T, H]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def _use_cudnn(impl: str, dtype, lengths) -> bool:
+    if impl == "xla" or lengths is None:
+        return False
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if impl == "cudnn":
+        if not sixteen_bit:
+            raise ValueError("attention_impl='cudnn' needs dtype bfloat16 or float16")
+        return True
+    return jax.default_backend() == "gpu" and sixteen_bit
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None,
+                          lengths: jax.Array | None, impl: str) -> jax.Array:
+    """Grouped-query attention.
+
+    Args:
+      q: [B, T, N, H]; k, v: [B, S, K, H].
+      mask: [B, 1, T, S] bool or None (then `lengths` must be given: causal + right padding).
+      lengths: [B] int32 valid length of each row (right padding), or None.
+    Returns:
+      [B, T, N, H] in q's dtype.
+    """
+    if _use_cudnn(impl, q.dtype, lengths):
+        lengths = lengths.astype(jnp.int32)
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+            implementation="cudnn")
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    if mask is None:
+        idx = jnp.arange(t, dtype=jnp.int32)
+        valid = idx[None, :] < lengths[:, None]  # [B, T]
+        mask = (valid[:, None, :] & (idx[None, :, None] >= idx[None, None, :]))[:, None]
+    qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = logits * (h ** -0.5)
+    logits = jnp.where(mask[:, :, None], logits, _MASK_VALUE)  # mask [B, 1, 1, T, S]
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)  # [B, T, K, G, H]
+    return out.reshape(b, t, n, h)
+
+
+# ---- layers ------------------------------------------------------------------------------------
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel [in, out] stored in param_dtype, computed in dtype."""
+
+    def __init__(self, din: int, dout: int, *, use_bias: bool, cfg: Qwen2Config, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(cfg.initializer_range)
+        self.kernel = nnx.Param(init(rngs.params(), (din, dout), _dtype(cfg.param_dtype)))
+        self.bias = nnx.Param(jnp.zeros((dout,), _dtype(cfg.param_dtype))) if use_bias else None
+        self.dtype = _dtype(cfg.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """HF Qwen2RMSNorm: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, *, cfg: Qwen2Config):
+        self.weight = nnx.Param(jnp.ones((dim,), _dtype(cfg.param_dtype)))
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+        self.q_proj = Linear(cfg.hidden_size, cfg.q_dim, use_bias=True, cfg=cfg, rngs=rngs)
+        self.k_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=True, cfg=cfg, rngs=rngs)
+        self.v_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=True, cfg=cfg, rngs=rngs)
+        self.o_proj = Linear(cfg.q_dim, cfg.hidden_size, use_bias=False, cfg=cfg, rngs=rngs)
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.impl = cfg.attention_impl
+
+    def __call__(self, x, cos, sin, *, mask, lengths, kv_cache=None, cache_index=None):
+        """x: [B, T, D]. With `kv_cache` (k, v each [B, S, K, H]) the new keys are written at
+        `cache_index` and attention runs over the whole cache; returns (out [B, T, D], new cache)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)  # [B, T, N, H]
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)  # [B, T, K, H]
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k_cache, v_cache = kv_cache
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, cache_index, 0, 0))
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, cache_index, 0, 0))
+            kv_cache = (k_cache, v_cache)
+            k, v = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
+        out = dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=self.impl)
+        out = self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+        return out, kv_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, cfg=cfg, rngs=rngs)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, cfg=cfg, rngs=rngs)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=False, cfg=cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, F]
+        h = sharding.constrain(h, ("batch", "length", "act_mlp"))
+        return self.down_proj(h)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, cos, sin, *, mask, lengths, kv_cache=None, cache_index=None):
+        """x: [B, T, D] -> ([B, T, D], kv_cache)."""
+        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask=mask, lengths=lengths,
+                                     kv_cache=kv_cache, cache_index=cache_index)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = sharding.constrain(x, ("batch", "length", "act_embed"))
+        return x, kv_cache
+
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Qwen2Model(nnx.Module):
+    """Embedding, L stacked decoder layers and the final norm; returns hidden states."""
+
+    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        init = jax.nn.initializers.normal(cfg.initializer_range)
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=init,
+                                      param_dtype=_dtype(cfg.param_dtype), dtype=_dtype(cfg.dtype),
+                                      rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_hidden_layers)
+        def make_layers(rngs):
+            return DecoderLayer(cfg, rngs=rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg=cfg)
+
+    def __call__(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None, lengths=None):
+        """Final hidden states [B, T, D] in the compute dtype.
+
+        Args:
+          input_ids: [B, T] int.
+          positions: [B, T] int, or None to derive them from the mask/segments (or 0..T-1).
+          attention_mask: [B, T] HF-style 1/0 validity (left or right padding).
+          segment_ids: [B, T] int, packed sequences; 0 is padding. Overrides attention_mask.
+          lengths: [B] int, right-padded rows (the trainer's layout; allows cuDNN flash attention).
+        """
+        cfg = self.cfg
+        b, t = input_ids.shape
+        mask = None
+        if segment_ids is None and attention_mask is not None:
+            segment_ids = attention_mask.astype(jnp.int32)
+        if segment_ids is not None:
+            lengths = None
+            idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            mask = segment_mask(segment_ids, segment_ids, idx, idx)
+            if positions is None:
+                positions = positions_from_segments(segment_ids)
+        elif lengths is None:
+            lengths = jnp.full((b,), t, jnp.int32)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        x = self.embed_tokens(input_ids)  # [B, T, D]
+        x = sharding.constrain(x, ("batch", "length", "act_embed"))
+
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(h, state):
+            layer = nnx.merge(graphdef, state)
+            h, _ = layer(h, cos, sin, mask=mask, lengths=lengths)
+            return h, None
+
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, layer_state)
+        return self.norm(x)
+
+
+class Qwen2ForCausalLM(nnx.Module):
+    """Causal LM: `model(input_ids, positions=None, attention_mask=None)` returns fp32 logits [B, T, V]."""
+
+    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.model = Qwen2Model(cfg, rngs=rngs)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, cfg=cfg, rngs=rngs)
+
+    def lm_head_weight(self) -> jax.Array:
+        """[D, V] output projection in the compute dtype (the embedding, transposed, when tied)."""
+        if self.lm_head is None:
+            w = self.model.embed_tokens.embedding[...].T
+        else:
+            w = self.lm_head.kernel[...]
+        return w.astype(_dtype(self.cfg.dtype))
+
+    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., D] -> fp32 logits [..., V]."""
+        return jnp.dot(hidden, self.lm_head_weight(), preferred_element_type=jnp.float32)
+
+    def hidden_states(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None,
+                      lengths=None) -> jax.Array:
+        return self.model(input_ids, positions, attention_mask, segment_ids=segment_ids, lengths=lengths)
+
+    def __call__(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None, lengths=None):
+        h = self.model(input_ids, positions, attention_mask, segment_ids=segment_ids, lengths=lengths)
+        return self.logits_from_hidden(h)
+
+
+class Qwen2Critic(nnx.Module):
+    """The Qwen2 backbone with a scalar value head (HF `Qwen2ForTokenClassification`, num_labels=1)."""
+
+    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.model = Qwen2Model(cfg, rngs=rngs)
+        self.score = Linear(cfg.hidden_size, 1, use_bias=True, cfg=cfg, rngs=rngs)
+
+    def __call__(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None, lengths=None):
+        """Values [B, T] in fp32."""
+        h = self.model(input_ids, positions, attention_mask, segment_ids=segment_ids, lengths=lengths)
+        return self.score(h)[..., 0].astype(jnp.float32)
+
+
+@functools.cache
+def _abstract(cls, cfg: Qwen2Config):
+    return nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
+
+
+def abstract_model(cfg: Qwen2Config, *, critic: bool = False) -> nnx.Module:
+    """The model with ShapeDtypeStruct leaves: no memory, for shardings and param counts."""
+    return _abstract(Qwen2Critic if critic else Qwen2ForCausalLM, cfg)

@@ -1,0 +1,32 @@
+"""Test setup: 8 simulated CPU devices (set before jax is imported), shared data paths, tiny HF models."""
+
+import os
+
+if "XLA_FLAGS" not in os.environ or "device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED_DATA = pathlib.Path(os.environ.get("JAXRL_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> pathlib.Path:
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"shared data not found at {SHARED_DATA}; set JAXRL_SHARED_DATA")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def qwen2_tokenizer_dir(shared_data) -> pathlib.Path:
+    return shared_data / "qwen2_tokenizer"
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir(shared_data) -> pathlib.Path:
+    return shared_data / "gsm8k"
