@@ -1,0 +1,55 @@
+"""Weights-only Orbax checkpoints: how trainer params travel to a rollout pool in another process.
+
+Each step the trainer writes `<dir>/<step>/{params, model}`: the params tree (Orbax, atomic commit)
+and the HF config.json dict of the model, so a reader needs nothing else to rebuild a HF directory
+through the one HF table (`jaxrl_llm.models.write_hf_dir`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxrl_llm.models.config import Qwen2Config
+
+
+def _manager(directory: str, *, max_to_keep: int | None = 2, read_only: bool = False) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=False,
+                                           create=not read_only, read_only=read_only)
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options,
+                                 item_handlers={"params": ocp.StandardCheckpointHandler(),
+                                                "model": ocp.JsonCheckpointHandler()})
+
+
+def save_weights(directory: str, step: int, params, cfg: Qwen2Config, *, max_to_keep: int = 2) -> str:
+    """Writes params (any sharding) and the model's HF config; returns the step directory."""
+    with _manager(directory, max_to_keep=max_to_keep) as mngr:
+        mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                model=ocp.args.JsonSave(cfg.to_hf())), force=True)
+        mngr.wait_until_finished()
+    return os.path.join(os.path.abspath(directory), str(step))
+
+
+def latest_weights_step(directory: str) -> int | None:
+    if not os.path.isdir(directory):
+        return None
+    with _manager(directory, read_only=True) as mngr:
+        return mngr.latest_step()
+
+
+def restore_weights(directory: str, step: int | None = None) -> tuple[int, dict, Qwen2Config]:
+    """(step, params as host numpy arrays, config) of `step` (default: the latest)."""
+    with _manager(directory, read_only=True) as mngr:
+        step = mngr.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{directory}: no weights checkpoint")
+        meta = mngr.item_metadata(step)["params"]
+        cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), meta)
+        restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target),
+                                                               model=ocp.args.JsonRestore()))
+    params = jax.tree.map(np.asarray, restored["params"])
+    return step, params, Qwen2Config.from_hf(dict(restored["model"]))
