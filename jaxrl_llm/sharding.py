@@ -11,11 +11,10 @@ import logging
 import math
 from collections.abc import Sequence
 
+import gin
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
-
-import gin
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,14 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "norm": None,
     "value": None,
+    # sampler KV caches [B, K, S, H]
+    "act_kv_heads": "tensor",
 }
+
+# The sampler's parameter layout: decode reads every weight once per token, so all-gathering
+# fsdp shards each step would dominate. Weights are replicated over data/fsdp and split only over
+# "tensor"; the batch is split over data x fsdp, so decode runs data-parallel without collectives.
+ENGINE_RULES = {**RULES, "embed": None}
 
 
 class MeshError(ValueError):
@@ -101,8 +107,8 @@ def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | N
 
 
 def named_sharding(mesh: Mesh, logical_axes: Sequence[str | None],
-                   shape: Sequence[int] | None = None) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh))
+                   shape: Sequence[int] | None = None, rules: dict | None = None) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -171,23 +171,18 @@ class Attention(nnx.Module):
         self.head_dim = cfg.head_dim
         self.impl = cfg.attention_impl
 
-    def __call__(self, x, cos, sin, *, mask, lengths, kv_cache=None, cache_index=None):
-        """x: [B, T, D]. With `kv_cache` (k, v each [B, S, K, H]) the new keys are written at
-        `cache_index` and attention runs over the whole cache; returns (out [B, T, D], new cache)."""
+    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], with RoPE applied to q and k."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)  # [B, T, N, H]
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)  # [B, T, K, H]
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:
-            k_cache, v_cache = kv_cache
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, cache_index, 0, 0))
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, cache_index, 0, 0))
-            kv_cache = (k_cache, v_cache)
-            k, v = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
-        out = dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=self.impl)
-        out = self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
-        return out, kv_cache
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, attn: jax.Array) -> jax.Array:
+        """attn [B, T, N, H] -> [B, T, D]."""
+        b, t = attn.shape[:2]
+        return self.o_proj(attn.reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nnx.Module):
@@ -209,14 +204,23 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, cos, sin, *, mask, lengths, kv_cache=None, cache_index=None):
-        """x: [B, T, D] -> ([B, T, D], kv_cache)."""
-        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask=mask, lengths=lengths,
-                                     kv_cache=kv_cache, cache_index=cache_index)
-        x = x + h
+    def __call__(self, x, cos, sin, *, mask, lengths):
+        """x: [B, T, D] -> [B, T, D], self-attention over the same T tokens."""
+        impl = self.self_attn.impl
+        attend = lambda q, k, v: (dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=impl), None)
+        return self.forward(x, cos, sin, attend)[0]
+
+    def forward(self, x, cos, sin, attend):
+        """The layer body with a pluggable attention, so the sampler can attend over its KV cache.
+
+        `attend(q [B, T, N, H], k, v [B, T, K, H]) -> (out [B, T, N, H], aux)`; returns (x, aux).
+        """
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+        out, aux = attend(q, k, v)
+        x = x + self.self_attn.output(out)
         x = x + self.mlp(self.post_attention_layernorm(x))
         x = sharding.constrain(x, ("batch", "length", "act_embed"))
-        return x, kv_cache
+        return x, aux
 
 
 _REMAT_POLICIES = {
@@ -276,8 +280,7 @@ class Qwen2Model(nnx.Module):
 
         def body(h, state):
             layer = nnx.merge(graphdef, state)
-            h, _ = layer(h, cos, sin, mask=mask, lengths=lengths)
-            return h, None
+            return layer(h, cos, sin, mask=mask, lengths=lengths), None
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)

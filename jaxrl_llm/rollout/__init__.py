@@ -1,0 +1,6 @@
+"""Rollout engines behind one interface: the JAX sampler and the vLLM pool on Ray."""
+
+from jaxrl_llm.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams, check_prompts
+from jaxrl_llm.rollout.jax_engine import JaxEngine
+
+__all__ = ["JaxEngine", "RolloutBatch", "RolloutEngine", "RolloutError", "SamplingParams", "check_prompts"]

@@ -1,0 +1,226 @@
+"""The JAX-native rollout engine: prefill once per prompt, then a jitted decode loop on a KV cache.
+
+* Prompts are left-padded to a bucket of `prompt_bucket` tokens; the `n` responses of a prompt
+  share its prefill (the caches are repeated n times after it).
+* Decoding runs in segments: the cache starts with `gen_bucket` generation slots and doubles when a
+  segment fills it, so attention reads about as many slots as there are tokens, and only a few
+  programs are compiled per prompt bucket.
+* Weight sync is in memory: the trainer's params are cast and resharded to the engine layout
+  (`sharding.ENGINE_RULES`) by one jitted function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from collections.abc import Sequence
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+from jaxrl_llm import sharding
+from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.hf_table import param_table
+from jaxrl_llm.models.params import param_shardings
+from jaxrl_llm.models.qwen2 import abstract_model
+from jaxrl_llm.rollout import decode
+from jaxrl_llm.rollout.base import RolloutBatch, SamplingParams, check_prompts
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GraphDefs:
+    layer: nnx.GraphDef
+    norm: nnx.GraphDef
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(x, 1))))
+
+
+@gin.configurable
+class JaxEngine:
+    """Generates responses with the model's own JAX code; the default engine.
+
+    Args:
+      cfg: the model config (its dtype fields are replaced by `dtype`).
+      params: trainer params (any sharding), or None to set them later with `update_weights`.
+      mesh: the device mesh (None: the first device).
+      dtype: engine weights, activations and KV cache dtype.
+      max_prompt_length: longest accepted prompt.
+      max_batch_size: most response rows decoded together; larger requests run in chunks.
+    """
+
+    def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None,
+                 dtype: str = "bfloat16", max_prompt_length: int = 1024, max_batch_size: int = 1024,
+                 prompt_bucket: int = 64, gen_bucket: int = 128):
+        self.cfg = cfg.replace(dtype=dtype, param_dtype=dtype, remat="none", attention_impl="xla")
+        self.mesh = mesh
+        self.max_prompt_length = max_prompt_length
+        self.max_batch_size = max_batch_size
+        self.prompt_bucket = prompt_bucket
+        self.gen_bucket = gen_bucket
+        self.version = 0
+        model = abstract_model(self.cfg)
+        self._gd = _GraphDefs(layer=nnx.split(model.model.layers)[0], norm=nnx.split(model.model.norm)[0])
+        self._dp = sharding.data_parallel_size(mesh) if mesh is not None else 1
+        self._shardings = self._engine_shardings()
+        self._convert = jax.jit(self._to_engine, out_shardings=self._shardings)
+        self.params = None
+        if params is not None:
+            self.update_weights(params)
+
+    # ---- weights -------------------------------------------------------------------------------
+    def _engine_shardings(self):
+        cfg, mesh = self.cfg, self.mesh
+
+        def sh(axes, shape):
+            if mesh is None:
+                return SingleDeviceSharding(jax.devices()[0])
+            return sharding.named_sharding(mesh, axes, shape, rules=sharding.ENGINE_RULES)
+
+        layer: dict = {}
+        for row in param_table(cfg):
+            if row.stacked:
+                node = layer
+                for key in row.path[2:-1]:
+                    node = node.setdefault(key, {})
+                node[row.path[-1]] = sh(row.axes[1:], row.shape(cfg)[1:])
+        return {
+            "embed": sh(("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size)),
+            "layers": [layer] * cfg.num_hidden_layers,
+            "norm": {"weight": sh(("norm",), (cfg.hidden_size,))},
+            "head": sh(("embed", "vocab"), (cfg.hidden_size, cfg.vocab_size)),
+        }
+
+    def _to_engine(self, params):
+        dt = jnp.dtype(self.cfg.dtype)
+        m = params["model"]
+        layers = [jax.tree.map(lambda x, i=i: x[i].astype(dt), m["layers"])
+                  for i in range(self.cfg.num_hidden_layers)]
+        embed = m["embed_tokens"]["embedding"].astype(dt)
+        head = embed.T if self.cfg.tie_word_embeddings else params["lm_head"]["kernel"].astype(dt)
+        return {"embed": embed, "layers": layers, "norm": {"weight": m["norm"]["weight"].astype(dt)},
+                "head": head}
+
+    def update_weights(self, params, *, step: int | None = None) -> int:
+        """Casts and reshards trainer params into the engine layout, in device memory."""
+        engine_devices = set(self.mesh.devices.flat) if self.mesh is not None else {jax.devices()[0]}
+        if any(set(x.sharding.device_set) != engine_devices for x in jax.tree.leaves(params)):
+            # Trainer and engine on different devices: one device-to-device transfer into the
+            # trainer-style layout on the engine's devices, then the same conversion.
+            params = jax.device_put(params, param_shardings(self.cfg, self.mesh))
+        with self._mesh_ctx():
+            self.params = self._convert(params)
+        self.version = self.version + 1 if step is None else step
+        return self.version
+
+    # ---- generation ----------------------------------------------------------------------------
+    def _mesh_ctx(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else _null_ctx()
+
+    def _batch_sharding(self, ndim):
+        if self.mesh is None:
+            return SingleDeviceSharding(jax.devices()[0])
+        return NamedSharding(self.mesh, sharding.logical_to_spec(("batch",) + (None,) * (ndim - 1),
+                                                                 None, self.mesh))
+
+    def _spec(self, sampling: SamplingParams) -> decode.DecodeSpec:
+        stops = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.cfg.eos_token_ids)
+        return decode.DecodeSpec(
+            num_layers=self.cfg.num_hidden_layers, num_kv_heads=self.cfg.num_key_value_heads,
+            head_dim=self.cfg.head_dim, rope_theta=self.cfg.rope_theta, temperature=float(sampling.temperature),
+            top_k=max(0, int(sampling.top_k)), top_p=float(sampling.top_p), stop_ids=tuple(sorted(set(stops))),
+            pad_id=self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0,
+            max_new_tokens=int(sampling.max_new_tokens))
+
+    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "capacity", "n"))
+    def _prefill(self, eparams, ids, mask, key, *, spec, capacity, n):
+        caches, logits = decode.prefill(self._gd, eparams, ids, mask, spec=spec, capacity=capacity)
+        caches = [(jnp.repeat(k, n, axis=0), jnp.repeat(v, n, axis=0)) for k, v in caches]
+        state = decode.first_token(logits, key, jnp.sum(mask, axis=1), spec=spec, n=n)
+        return state, caches
+
+    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2, 3))
+    def _decode(self, eparams, state, caches, prompt_mask, t_end, *, spec):
+        return decode.decode_segment(self._gd, eparams, state, caches, prompt_mask, t_end, spec=spec)
+
+    @functools.partial(jax.jit, static_argnums=(0, 2))
+    def _grow(self, caches, capacity):
+        return decode.grow_caches(caches, capacity)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
+        """Samples `sampling.n` responses for every prompt (prompt-major order in the result)."""
+        check_prompts(prompts, self.max_prompt_length, self.cfg.vocab_size, sampling,
+                      self.cfg.max_position_embeddings)
+        if self.params is None:
+            raise RuntimeError("JaxEngine has no weights; call update_weights(params) first")
+        spec = self._spec(sampling)
+        n = sampling.n
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        per_chunk = max(1, self.max_batch_size // n)
+        tokens = np.full((len(prompts) * n, spec.max_new_tokens), spec.pad_id, np.int32)
+        logps = np.zeros(tokens.shape, np.float32)
+        lengths = np.zeros(len(prompts) * n, np.int32)
+        key = jax.random.key(sampling.seed)
+        for c, start in enumerate(range(0, len(order), per_chunk)):
+            chunk = order[start:start + per_chunk]
+            out = self._generate_chunk([prompts[i] for i in chunk], spec, n, jax.random.fold_in(key, c))
+            rows = (np.asarray(chunk)[:, None] * n + np.arange(n)[None, :]).reshape(-1)
+            tokens[rows], logps[rows], lengths[rows] = out
+        width = int(lengths.max())
+        tokens, logps = tokens[:, :width], logps[:, :width]
+        stop_set = set(spec.stop_ids)
+        last = tokens[np.arange(len(lengths)), lengths - 1]
+        reasons = ["stop" if int(tok) in stop_set else "length" for tok in last]
+        return RolloutBatch(prompt_index=np.repeat(np.arange(len(prompts)), n), tokens=tokens,
+                            logprobs=logps, lengths=lengths, finish_reasons=reasons,
+                            weight_version=self.version)
+
+    def _generate_chunk(self, prompts, spec, n, key):
+        b = len(prompts)
+        bp = _round_up(_next_pow2(b), self._dp) if b > 1 else self._dp
+        p = _round_up(max(len(x) for x in prompts), self.prompt_bucket)
+        ids = np.full((bp, p), spec.pad_id, np.int32)
+        mask = np.zeros((bp, p), np.int32)
+        for i in range(bp):
+            src = prompts[i] if i < b else prompts[0]  # filler rows keep shapes bucketed; dropped below
+            ids[i, p - len(src):] = src
+            mask[i, p - len(src):] = 1
+        cap = min(_next_pow2(spec.max_new_tokens), self.gen_bucket)
+        with self._mesh_ctx():
+            ids_d = jax.device_put(ids, self._batch_sharding(2))
+            mask_d = jax.device_put(mask, self._batch_sharding(2))
+            state, caches = self._prefill(self.params, ids_d, mask_d, key, spec=spec, capacity=p + cap, n=n)
+            prompt_mask = jnp.repeat(mask_d.astype(bool), n, axis=0)
+            while True:
+                t_end = min(cap + 1, spec.max_new_tokens)
+                state, caches = self._decode(self.params, state, caches, prompt_mask,
+                                             jnp.asarray(t_end, jnp.int32), spec=spec)
+                t, all_done = jax.device_get((state["t"], jnp.all(state["done"])))
+                if all_done or t >= spec.max_new_tokens:
+                    break
+                cap = min(2 * cap, _next_pow2(spec.max_new_tokens))
+                caches = self._grow(caches, p + cap)
+            out = jax.device_get((state["tokens"], state["logps"], state["lengths"]))
+        rows = b * n
+        return out[0][:rows], out[1][:rows], out[2][:rows]
+
+
+class _null_ctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
