@@ -87,8 +87,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def _use_cudnn(impl: str, dtype, lengths) -> bool:
-    if impl == "xla" or lengths is None:
+def _use_cudnn(impl: str, dtype) -> bool:
+    if impl == "xla":
         return False
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if impl == "cudnn":
@@ -109,11 +109,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax
     Returns:
       [B, T, N, H] in q's dtype.
     """
-    if _use_cudnn(impl, q.dtype, lengths):
-        lengths = lengths.astype(jnp.int32)
-        return jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-            implementation="cudnn")
+    if _use_cudnn(impl, q.dtype):
+        # cuDNN flash attention: causal + right padding by lengths, or causal + a segment mask
+        # (packed rows), which cuDNN applies as a bias while skipping the upper triangle.
+        if lengths is not None:
+            lengths = lengths.astype(jnp.int32)
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
+                                                key_value_seq_lengths=lengths, implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="cudnn")
     b, t, n, h = q.shape
     kh = k.shape[2]
     if mask is None:

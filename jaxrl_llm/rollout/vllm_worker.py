@@ -1,0 +1,212 @@
+"""What runs inside one rollout actor of `VllmPool`: a `vllm.LLM` and its weight reloads.
+
+Weights travel as files: the actor restores the trainer's Orbax weights checkpoint
+(`weights_io.restore_weights`), writes a HF directory through the one HF name table
+(`models.write_hf_dir`) into its own scratch dir, and has vLLM reload from it in place
+(`collective_rpc("reload_weights", weights_path=...)`).
+
+Two vLLM internals are reached through `VllmWorkerExtension`, which vLLM mixes into its worker
+class (`worker_extension_cls`):
+
+* **Tied lm_head repack.** vLLM's CPU backend packs every linear weight for its GEMM kernel when a
+  layer is loaded (`dispatch_cpu_unquantized_gemm`: a oneDNN handle or an SGL packed copy, held by
+  the layer's `cpu_linear` closure). An in-place reload re-runs that packing only for layers whose
+  tensors were loaded. A tied lm_head loads nothing itself (Qwen2 skips `lm_head.weight` when tied):
+  its `weight` is the embedding's tensor and holds the new values, but `cpu_linear` still multiplies
+  by the old packed copy, so logits come from the old head. `repack_tied_lm_head` re-runs the head's
+  `process_weights_after_loading` after each reload (a no-op off CPU).
+* **Temperature inside the logits.** vLLM returns either raw logprobs (log softmax(logits), T = 1)
+  or processed ones (after temperature *and* top-k/top-p, renormalised over the kept tokens). The
+  trainer needs log softmax(logits / T) over the full vocabulary. `set_logit_scale(1 / T)` folds the
+  temperature into the model's LogitsProcessor and the actor samples at temperature 1 with
+  `logprobs_mode="raw_logprobs"`: vLLM then samples from exactly the distribution it would at
+  temperature T (top-k/top-p act on logits / T either way) and its raw logprobs are
+  log softmax(logits / T), before truncation. The only numerical difference from the trainer is
+  `logits * (1 / T)` versus `logits / T` (one rounding).
+
+Importing this module imports neither vllm nor ray; the actor imports vllm when it starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+
+DEFAULT_ENV = {
+    # Restoring the Orbax checkpoint imports jax; keep it off the actor's GPUs (vLLM owns them).
+    "JAX_PLATFORMS": "cpu",
+    # The engine core runs in the actor's own process: no child process to orphan when the actor is
+    # killed, and `collective_rpc` reaches the worker directly.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+_EXTENSION = "jaxrl_llm.rollout.vllm_worker.VllmWorkerExtension"
+
+
+class VllmWorkerExtension:
+    """Methods vLLM mixes into its worker; called with `llm.collective_rpc(name, ...)`."""
+
+    def _model(self):
+        return self.model_runner.get_model()
+
+    def set_logit_scale(self, scale: float) -> None:
+        """Multiplies every next-token logit by `scale` (1 / temperature) before sampling."""
+        proc = getattr(self._model(), "logits_processor", None)
+        if proc is None or not hasattr(proc, "scale"):
+            raise RuntimeError("this vLLM model has no logits_processor.scale; cannot fold the "
+                               "temperature into the logits")
+        proc.scale = float(scale)
+
+    def repack_tied_lm_head(self) -> bool:
+        """Re-packs a tied lm_head from the (reloaded) embedding; returns whether it did."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        model = self._model()
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or embed is None or head.weight is not embed.weight:
+            return False  # untied: the head was loaded, so the reload already re-packed it
+        if not isinstance(head.quant_method, UnquantizedEmbeddingMethod):
+            return False  # quantized heads are processed from their own tensors
+        head.quant_method.process_weights_after_loading(head)
+        return True
+
+    def lm_head_error(self, seed: int = 0) -> float:
+        """max |head(x) - x @ W^T| on random x: > 0 when the packed head no longer matches W."""
+        import torch
+
+        head = self._model().lm_head
+        w = head.weight  # [V, D]
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        x = torch.randn(4, w.shape[1], generator=g, dtype=torch.float32).to(w.device, w.dtype)  # [4, D]
+        with torch.no_grad():
+            got = head.quant_method.apply(head, x).float()
+            want = torch.nn.functional.linear(x.float(), w.float())
+        return float((got - want).abs().max())
+
+
+class VllmActor:
+    """One `vllm.LLM` behind a Ray actor (the pool wraps this class with `ray.remote`).
+
+    Args:
+      model_dir: a HF directory to start from, used when `step` is None.
+      weights_dir: the trainer's weights checkpoint directory (`weights_io.save_weights`).
+      step: start from this checkpoint step instead of `model_dir`.
+      dtype: vLLM's weight and activation dtype; the exported HF files use it too.
+      max_model_len: longest prompt + response.
+      seed: vLLM's engine seed (requests carry their own seeds).
+      engine_kwargs: more `vllm.LLM` arguments (max_num_seqs, kv_cache_memory_bytes, ...).
+      scratch_dir: where the actor writes HF directories, each removed once vLLM has read it
+        (default: the system temp dir).
+    """
+
+    def __init__(self, model_dir: str | None, weights_dir: str | None, step: int | None, *, dtype: str,
+                 max_model_len: int, seed: int = 0, engine_kwargs: dict | None = None,
+                 scratch_dir: str | None = None):
+        import vllm
+
+        self._dtype = dtype
+        self._scratch_dir = scratch_dir
+        exported = None
+        if step is not None:
+            exported, _ = self._export(weights_dir, step)
+            model_dir = exported
+        if model_dir is None:
+            raise ValueError("VllmActor needs a HF model_dir or a checkpoint step to start from")
+        try:
+            self.llm = vllm.LLM(model=model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                                skip_tokenizer_init=True, logprobs_mode="raw_logprobs",
+                                worker_extension_cls=_EXTENSION, **(engine_kwargs or {}))
+        finally:
+            if exported is not None:
+                shutil.rmtree(exported, ignore_errors=True)
+        self._scale = 1.0
+
+    def ready(self) -> dict:
+        return {"pid": os.getpid(), "host": socket.gethostname()}
+
+    # ---- weights -------------------------------------------------------------------------------
+    def _export(self, weights_dir: str, step: int) -> tuple[str, dict]:
+        """Orbax checkpoint -> a new HF directory in scratch; returns (dir, timings).
+
+        The caller removes the directory once vLLM has read it (the engine keeps the weights in
+        memory), so an actor killed between two loads leaves nothing behind.
+        """
+        from jaxrl_llm.models.hf_io import write_hf_dir
+        from jaxrl_llm.weights_io import restore_weights
+
+        t0 = time.perf_counter()
+        step, params, cfg = restore_weights(weights_dir, step)
+        t1 = time.perf_counter()
+        out = tempfile.mkdtemp(prefix=f"jaxrl_vllm_step{step}_", dir=self._scratch_dir)
+        export_dtype = self._dtype if self._dtype in ("float32", "bfloat16", "float16") else None
+        try:
+            write_hf_dir(params, cfg, out, dtype=export_dtype)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
+        return out, {"restore_s": t1 - t0, "export_s": time.perf_counter() - t1}
+
+    def load_weights(self, weights_dir: str, step: int, *, repack: bool = True) -> dict:
+        """Reloads the engine in place from checkpoint `step`; returns timings in seconds."""
+        hf_dir, timings = self._export(weights_dir, step)
+        t0 = time.perf_counter()
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": hf_dir})
+        finally:
+            shutil.rmtree(hf_dir, ignore_errors=True)
+        if repack:
+            self.llm.collective_rpc("repack_tied_lm_head")
+        # Cached prefixes hold keys/values computed with the old weights.
+        self.llm.reset_prefix_cache()
+        timings["reload_s"] = time.perf_counter() - t0
+        return timings
+
+    def lm_head_error(self) -> float:
+        return max(self.llm.collective_rpc("lm_head_error"))
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], request: dict) -> list[list[tuple[list[int], list[float], str]]]:
+        """Samples `request["n"]` responses per prompt.
+
+        Args:
+          prompts: token ids, one list per prompt.
+          request: n, temperature, top_p, top_k, max_new_tokens, stop_token_ids, ignore_eos, and
+            seeds (one per prompt; response j of a prompt uses seed + j).
+        Returns:
+          per prompt, n (tokens, logprobs, finish_reason); logprobs are log softmax(logits / T) of
+          each sampled token (T = 1 when greedy).
+        """
+        import vllm
+        from vllm.inputs import TokensPrompt
+
+        temperature = float(request["temperature"])
+        scale = 1.0 / temperature if temperature > 0 else 1.0
+        if scale != self._scale:
+            self.llm.collective_rpc("set_logit_scale", args=(scale,))
+            self._scale = scale
+        top_k = int(request["top_k"])
+        n = int(request["n"])
+        # vLLM refuses n > 1 when greedy; the n greedy responses are one response, repeated.
+        n_vllm = n if temperature > 0 else 1
+        params = [vllm.SamplingParams(
+            n=n_vllm, temperature=1.0 if temperature > 0 else 0.0, top_p=float(request["top_p"]),
+            top_k=top_k if top_k > 0 else -1, max_tokens=int(request["max_new_tokens"]),
+            stop_token_ids=list(request["stop_token_ids"]), ignore_eos=bool(request["ignore_eos"]),
+            seed=int(seed), logprobs=0, detokenize=False) for seed in request["seeds"]]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                 use_tqdm=False)
+        result = []
+        for out in outs:
+            responses = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished a response with {c.finish_reason!r}")
+                toks = list(c.token_ids)
+                logps = [float(step[t].logprob) for step, t in zip(c.logprobs, toks)]
+                responses.append((toks, logps, c.finish_reason))
+            result.append(responses * (n // n_vllm))
+        return result

@@ -1,0 +1,97 @@
+"""`python -m jaxrl_llm.train --gin_file=gin/grpo_qwen7b.gin [--gin_param='train.total_epochs=3'] ...`
+
+Flags: `--gin_file` (repeatable), `--gin_param` (repeatable), and the t5x shorthand
+`--gin.train.total_epochs=3`. Config errors (a bad binding, an unknown name, a missing required
+value, an invalid value) fail in the first second, before any model is loaded, with one line that
+names the binding. The operative config is written to `<run_dir>/operative_config.gin`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import gin
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+log = logging.getLogger("jaxrl_llm")
+
+
+class UsageError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jaxrl_llm.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
+    parser.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
+    parser.add_argument("--log_level", default="INFO")
+    args, rest = parser.parse_known_args(argv)
+    for arg in rest:  # t5x shorthand: --gin.train.total_epochs=3
+        if arg.startswith("--gin.") and "=" in arg:
+            args.gin_param.append(arg[len("--gin."):])
+        else:
+            parser.error(f"unrecognized argument {arg!r}")
+    if not args.gin_file:
+        parser.error("give at least one --gin_file (e.g. gin/grpo_tiny.gin)")
+    return args
+
+
+def parse_config(gin_files: list[str], gin_params: list[str]):
+    """Parses gin files and bindings, then builds and validates the RunConfig."""
+    import jaxrl_llm.configurables  # noqa: F401  (registers every configurable)
+    from jaxrl_llm.trainer.config import ConfigValueError, build_run_config
+
+    gin.add_config_file_search_path(REPO_ROOT)
+    gin.add_config_file_search_path(os.getcwd())
+    for path in gin_files:
+        if not os.path.exists(path) and not os.path.exists(os.path.join(REPO_ROOT, path)):
+            raise UsageError(f"--gin_file {path}: no such file")
+    try:
+        gin.parse_config_files_and_bindings(gin_files, gin_params, finalize_config=False)
+        return build_run_config()
+    except ConfigValueError as e:
+        raise UsageError(f"config: {e}") from None
+    except (ValueError, KeyError, TypeError, OSError, SyntaxError) as e:
+        msg = str(e).strip().splitlines()
+        raise UsageError(f"config: {' / '.join(m.strip() for m in msg if m.strip())}") from None
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that describe bad input (printed as one line), as opposed to bugs (tracebacks)."""
+    from jaxrl_llm.data import DataError
+    from jaxrl_llm.models import CheckpointError, ConfigError
+    from jaxrl_llm.rewards import RewardConfigError, RewardError
+    from jaxrl_llm.rollout import RolloutError
+    from jaxrl_llm.sharding import MeshError
+
+    return (DataError, CheckpointError, ConfigError, RewardConfigError, RewardError, RolloutError, MeshError,
+            FileNotFoundError, UsageError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run = parse_config(args.gin_file, args.gin_param)
+        os.makedirs(run.trainer.run_dir, exist_ok=True)
+        with open(os.path.join(run.trainer.run_dir, "operative_config.gin"), "w") as f:
+            f.write(gin.config_str())
+        from jaxrl_llm.trainer.loop import RLTrainer
+
+        trainer = RLTrainer(run, operative_config=gin.config_str())
+        trainer.fit()
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except user_errors() as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Run configuration as gin-configurable dataclasses, with veRL's field names where they exist.
+
+Each dataclass is bound in gin under a short veRL-like name: `model.*`, `data.*`, `rollout.*`,
+`actor.*`, `critic.*`, `algorithm.*`, `reward.*` and `train.*` (the trainer: epochs, saving,
+logging, mesh). `build_run_config()` builds one `RunConfig` from the bindings and validates it before
+any model is loaded, so a bad value fails in the first second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+
+
+class ConfigValueError(ValueError):
+    """A config value that cannot work; the message names the gin binding to change."""
+
+
+def _check(cond: bool, binding: str, msg: str) -> None:
+    if not cond:
+        raise ConfigValueError(f"{binding}: {msg}")
+
+
+@gin.configurable("model")
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Where the policy comes from: a local HF dir / hub id (`path`), or a random preset (`preset`)."""
+
+    path: str | None = None
+    preset: str | None = None
+    tokenizer_path: str | None = None
+    dtype: str = "bfloat16"  # compute
+    param_dtype: str = "float32"  # master weights
+    remat: str = "full"
+    attention_impl: str = "auto"
+    critic_path: str | None = None  # defaults to `path` (veRL initialises the critic from the actor)
+    overrides: dict | None = None  # Qwen2Config fields to change (e.g. a smaller vocab for a preset)
+    seed: int = 0
+
+    def validate(self):
+        _check((self.path is None) != (self.preset is None), "model.path / model.preset",
+               "set exactly one: a HF model dir (or hub id) in `path`, or a random-init `preset`")
+
+
+@gin.configurable("data")
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """veRL's `data.*`. `source` is "files" (parquet/jsonl in veRL schema) or "arithmetic" (the demo)."""
+
+    source: str = "files"
+    train_files: tuple[str, ...] = ()
+    val_files: tuple[str, ...] = ()
+    train_batch_size: int = 1024  # prompts per step
+    val_batch_size: int | None = None
+    max_prompt_length: int = 512
+    max_response_length: int = 1024
+    prompt_key: str = "prompt"
+    shuffle: bool = True
+    seed: int = 1
+    val_max_samples: int | None = None
+    arithmetic_max_operand: int = 9  # demo task only
+
+    def validate(self):
+        _check(self.source in ("files", "arithmetic"), "data.source", f"{self.source!r} is not 'files' or "
+               "'arithmetic'")
+        if self.source == "files":
+            _check(bool(self.train_files), "data.train_files", "no training files given")
+        _check(self.train_batch_size >= 1, "data.train_batch_size", "must be >= 1")
+        _check(self.max_prompt_length >= 1 and self.max_response_length >= 1,
+               "data.max_prompt_length / max_response_length", "must be >= 1")
+
+
+@gin.configurable("rollout")
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """veRL's `actor_rollout_ref.rollout.*`."""
+
+    engine: str = "jax"  # "jax" (in-process sampler) or "vllm" (a pool of Ray actors)
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_batch_size: int = 1024  # response rows decoded together (JAX engine)
+    val_temperature: float = 0.0  # validation is greedy (mean@1)
+    vllm_workers: int = 1
+    log_prob_gap: bool = True  # the trainer-sampler logprob gap metric
+
+    def validate(self):
+        _check(self.engine in ("jax", "vllm"), "rollout.engine", f"{self.engine!r}; use 'jax' or 'vllm'")
+        _check(isinstance(self.n, int) and self.n >= 1, "rollout.n", f"n={self.n}; need n >= 1")
+        _check(0.0 < self.top_p <= 1.0, "rollout.top_p", f"{self.top_p} is not in (0, 1]")
+        _check(self.temperature > 0.0, "rollout.temperature", "training rollouts need temperature > 0")
+
+
+@gin.configurable("actor")
+@dataclasses.dataclass(frozen=True)
+class ActorConfig:
+    """veRL's `actor_rollout_ref.actor.*` plus the optimizer (`optim.*`)."""
+
+    lr: float = 1e-6
+    lr_warmup_steps: int = 0
+    lr_warmup_steps_ratio: float = 0.0
+    lr_scheduler: str = "constant"  # or "cosine"
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step (x n responses)
+    ppo_max_token_len_per_gpu: int = 16384  # token budget of one micro-batch per device
+    pack_length: int | None = None  # packed row length (default: max prompt + max response, rounded)
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    logprob_chunk_size: int = 8192  # vocab chunk of the fused logprob/entropy
+
+    def validate(self):
+        _check(self.lr >= 0, "actor.lr", "must be >= 0")
+        _check(self.lr_scheduler in ("constant", "cosine"), "actor.lr_scheduler",
+               f"{self.lr_scheduler!r}; use 'constant' or 'cosine'")
+        _check(self.ppo_mini_batch_size >= 1 and self.ppo_epochs >= 1,
+               "actor.ppo_mini_batch_size / ppo_epochs", "must be >= 1")
+        _check(self.clip_ratio_c > 1.0, "actor.clip_ratio_c", "dual-clip bound must be > 1")
+        _check(self.loss_agg_mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                      "seq-mean-token-sum-norm"), "actor.loss_agg_mode",
+               f"{self.loss_agg_mode!r} is not a veRL mode")
+
+    @property
+    def low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+@gin.configurable("critic")
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """veRL's `critic.*` (PPO only)."""
+
+    lr: float = 1e-5
+    lr_warmup_steps: int = 0
+    lr_scheduler: str = "constant"
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    ppo_epochs: int | None = None  # defaults to the actor's
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
+@gin.configurable("algorithm")
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+    """veRL's `algorithm.*`."""
+
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl_type: str = "fixed"
+    kl_coef: float = 0.001
+    kl_target: float = 0.1
+    kl_horizon: int = 10000
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.adv_estimator == "gae"
+
+    def validate(self):
+        known = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+        _check(self.adv_estimator in known, "algorithm.adv_estimator", f"{self.adv_estimator!r}; known: {known}")
+        _check(self.kl_ctrl_type in ("fixed", "adaptive"), "algorithm.kl_ctrl_type", "use 'fixed' or 'adaptive'")
+
+
+@gin.configurable("reward")
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """Reward scoring: veRL's `reward_model.*` / `custom_reward_function.*` for rule-based rewards."""
+
+    custom_reward_path: str | None = None
+    custom_reward_name: str = "compute_score"
+    num_workers: int = 0  # >0: a pool of Ray CPU workers
+    strict: bool = False  # a raising reward function stops the run
+
+
+@gin.configurable("train")
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """veRL's `trainer.*`."""
+
+    project_name: str = "jaxrl_llm"
+    experiment_name: str = "run"
+    run_dir: str = "runs/run"
+    total_epochs: int = 1
+    total_training_steps: int | None = None
+    save_freq: int = -1  # -1: only at the end
+    max_checkpoints_to_keep: int = 2
+    test_freq: int = -1
+    val_before_train: bool = False
+    resume_mode: str = "auto"  # "auto", "disable", or a checkpoint path
+    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
+    driver: str = "ray"  # "ray" or "inprocess"
+    ray_address: str | None = None
+    mesh_data: int = 1
+    mesh_fsdp: int = -1
+    mesh_tensor: int = 1
+    ref_offload: bool = False
+    dump_batches: bool = False
+    replay_batches_from: str | None = None
+    peak_tflops: float | None = None  # per device, for perf/mfu (default: a table by device kind)
+    progress_bar: bool = True
+
+    def validate(self):
+        _check(self.driver in ("ray", "inprocess"), "train.driver", f"{self.driver!r}; use 'ray' or "
+               "'inprocess'")
+        _check(self.total_epochs >= 1, "train.total_epochs", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    actor: ActorConfig
+    critic: CriticConfig
+    algo: AlgoConfig
+    reward: RewardConfig
+    trainer: TrainerConfig
+
+    def validate(self) -> RunConfig:
+        for part in (self.model, self.data, self.rollout, self.actor, self.algo, self.trainer):
+            part.validate()
+        _check(self.actor.ppo_mini_batch_size <= self.data.train_batch_size, "actor.ppo_mini_batch_size",
+               f"{self.actor.ppo_mini_batch_size} is larger than data.train_batch_size "
+               f"{self.data.train_batch_size}")
+        _check(self.data.train_batch_size % self.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
+               f"{self.actor.ppo_mini_batch_size} does not divide data.train_batch_size "
+               f"{self.data.train_batch_size}")
+        if self.algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+            _check(self.rollout.n >= 2, "rollout.n", f"{self.algo.adv_estimator} compares responses of a "
+                   "prompt; use n >= 2")
+        return self
+
+    @property
+    def pack_length(self) -> int:
+        if self.actor.pack_length:
+            return self.actor.pack_length
+        total = self.data.max_prompt_length + self.data.max_response_length
+        return -(-total // 128) * 128
+
+
+def build_run_config() -> RunConfig:
+    """Builds every part from its gin bindings (`actor.lr = 1e-6`, ...) and validates the whole."""
+    return RunConfig(model=ModelConfig(), data=DataConfig(), rollout=RolloutConfig(), actor=ActorConfig(),
+                     critic=CriticConfig(), algo=AlgoConfig(), reward=RewardConfig(),
+                     trainer=TrainerConfig()).validate()

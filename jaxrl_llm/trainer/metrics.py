@@ -1,0 +1,127 @@
+"""Step metrics with veRL's names: data statistics, timing, throughput, MFU and memory.
+
+FLOPs follow veRL's `FlopsCounter` for Qwen2, so MFU figures are comparable:
+  dense params N = L·(3·D·F + D·(2·N·H + 2·K·H)) + 2·V·D  (embedding and LM head both counted)
+  FLOPs = 6·N·tokens + 12·Σ seqlen²·H·N_heads·L
+(6 = forward 2 + backward 4 per multiply-add; the second term is causal-agnostic attention, as veRL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+
+import jax
+import numpy as np
+
+from jaxrl_llm.models.config import Qwen2Config
+
+# bf16 dense peak (TFLOP/s) per device kind, for MFU when train.peak_tflops is unset.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "cpu": 1.0}
+
+
+def veRL_flops(cfg: Qwen2Config, seqlens: np.ndarray) -> float:
+    """Training FLOPs (fwd + bwd) of sequences of these lengths, veRL's formula."""
+    d, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    attn_linear = d * (2 * cfg.q_dim + 2 * cfg.kv_dim)
+    dense = layers * (3 * d * f + attn_linear) + 2 * cfg.vocab_size * d
+    seqlens = np.asarray(seqlens, np.float64)
+    attn = 12 * float(np.sum(seqlens ** 2)) * cfg.head_dim * cfg.num_attention_heads * layers
+    return 6.0 * dense * float(np.sum(seqlens)) + attn
+
+
+def peak_tflops(override: float | None = None) -> float:
+    if override:
+        return float(override)
+    kind = jax.devices()[0].device_kind
+    for name, value in PEAK_TFLOPS.items():
+        if name.lower() in kind.lower():
+            return value
+    return PEAK_TFLOPS["cpu"]
+
+
+def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
+    if x.size == 0:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
+    return {f"{prefix}/mean": float(np.mean(x)), f"{prefix}/max": float(np.max(x)), f"{prefix}/min": float(np.min(x))}
+
+
+def data_metrics(batch, *, max_response_length: int, max_prompt_length: int, use_critic: bool) -> dict[str, float]:
+    """veRL's `compute_data_metrics` over a step's `TrainBatch`."""
+    f = batch.fields
+    mask = batch.response_mask > 0
+    out = {}
+    out.update(_stats("critic/score", f["token_level_scores"].sum(-1)))
+    out.update(_stats("critic/rewards", f["token_level_rewards"].sum(-1)))
+    out.update(_stats("critic/advantages", f["advantages"][mask]))
+    out.update(_stats("critic/returns", f["returns"][mask]))
+    if use_critic:
+        vals = f["values"][mask]
+        out.update(_stats("critic/values", vals))
+        ret = f["returns"][mask]
+        var = np.var(ret)
+        out["critic/vf_explained_var"] = float(1.0 - np.var(ret - vals) / (var + 1e-5))
+    rl = batch.response_lengths.astype(np.float64)
+    pl = batch.prompt_lengths.astype(np.float64)
+    out.update(_stats("response_length", rl))
+    out["response_length/clip_ratio"] = float(np.mean(rl == max_response_length))
+    out.update(_stats("prompt_length", pl))
+    out["prompt_length/clip_ratio"] = float(np.mean(pl == max_prompt_length))
+    return out
+
+
+def perf_metrics(timing: dict[str, float], batch, cfg: Qwen2Config, *, ppo_epochs: int, n_devices: int,
+                 peak: float) -> dict[str, float]:
+    """Throughput and MFU.
+
+    `perf/throughput` is tokens (prompt + response) per second per device over the step time minus
+    validation and checkpoint time; veRL divides by the whole step time, which understates it on
+    steps that validate or save. `perf/mfu/actor` is veRL's: update FLOPs x ppo_epochs over the
+    update_actor time, per device, against `peak` TFLOP/s.
+    """
+    seqlens = batch.prompt_lengths + batch.response_lengths
+    tokens = float(np.sum(seqlens))
+    step_time = timing.get("step", 0.0)
+    busy = max(step_time - timing.get("testing", 0.0) - timing.get("save_checkpoint", 0.0), 1e-9)
+    out = {"perf/total_num_tokens": tokens, "perf/time_per_step": step_time,
+           "perf/throughput": tokens / busy / n_devices}
+    if timing.get("update_actor"):
+        flops = veRL_flops(cfg, seqlens) * ppo_epochs
+        out["perf/mfu/actor"] = flops / timing["update_actor"] / 1e12 / peak / n_devices
+    out["perf/max_memory_allocated_gb"] = max_memory_gb()
+    return out
+
+
+def max_memory_gb() -> float:
+    """Peak device memory in use (GB); on CPU the process's peak resident memory."""
+    peaks = []
+    for d in jax.local_devices():
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(stats["peak_bytes_in_use"])
+    if peaks:
+        return max(peaks) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+class Timer:
+    """`with timer("gen"): ...` records seconds under timing_s/gen."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self, num_tokens: float) -> dict[str, float]:
+        out = {f"timing_s/{k}": v for k, v in self.times.items()}
+        if num_tokens:
+            out.update({f"timing_per_token_ms/{k}": v * 1000 / num_tokens for k, v in self.times.items()
+                        if k not in ("step", "testing", "save_checkpoint")})
+        return out

@@ -1,0 +1,69 @@
+"""Role handles: the driver calls a role's methods the same way whether it lives in this process or
+in a Ray actor (`train.driver = "ray" | "inprocess"`)."""
+
+from __future__ import annotations
+
+import logging
+
+from jaxrl_llm.trainer.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+class LocalRole:
+    """A role object in this process."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.obj, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class RayRole:
+    """A role in a Ray actor; `call` blocks on the result, and a remote error is re-raised here."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def call(self, method: str, *args, **kwargs):
+        import ray
+
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
+
+
+def init_ray(run: RunConfig) -> None:
+    """Connects to `train.ray_address`, or starts an embedded local cluster."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if run.trainer.ray_address:
+        ray.init(address=run.trainer.ray_address)
+    else:
+        ray.init(include_dashboard=False, log_to_driver=True)
+
+
+def make_worker(run: RunConfig, *, total_steps: int):
+    """The trainer worker (actor, reference, critic, JAX engine) as a role handle."""
+    from jaxrl_llm.trainer.worker import TrainerWorker
+
+    if run.trainer.driver == "inprocess":
+        return LocalRole(TrainerWorker(run, total_steps=total_steps))
+    import ray
+
+    init_ray(run)
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    actor_cls = ray.remote(num_gpus=gpus, num_cpus=1)(TrainerWorker)
+    return RayRole(actor_cls.remote(run, total_steps=total_steps))

@@ -1,0 +1,329 @@
+"""`TrainerWorker`: the actor, reference and critic models (and the JAX engine) on one device mesh.
+
+The driver (`trainer.loop`) calls these methods with host `TrainBatch`es, either directly
+(in-process) or on a Ray actor; everything on devices stays inside the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_llm import sharding
+from jaxrl_llm.algorithms import LossNorm, apply_kl_penalty, get_adv_estimator_fn
+from jaxrl_llm.models import Qwen2Config, graphdef_and_abstract_params, init_params, load_params, param_shardings
+from jaxrl_llm.models.config import PRESETS
+from jaxrl_llm.rollout import JaxEngine, RolloutBatch, SamplingParams
+from jaxrl_llm.trainer import steps
+from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch, plan_micro_batches, split_mini_batches
+from jaxrl_llm.trainer.config import RunConfig
+from jaxrl_llm.trainer.optim import make_optimizer
+
+log = logging.getLogger(__name__)
+
+HOST_ONLY = ("seq_ids",)
+
+
+def resolve_model_path(path: str) -> str:
+    """A local directory as is; otherwise a hub id, fetched with huggingface_hub (needs network)."""
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} is a file; pass a HF model directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja"])
+    except Exception as e:  # offline, unknown repo, no hub client
+        raise FileNotFoundError(f"model path {path!r} is not a local directory, and fetching it as a hub id "
+                                f"failed ({type(e).__name__}: {e}); pass a local HF model directory") from None
+
+
+def model_config(run: RunConfig) -> Qwen2Config:
+    m = run.model
+    numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention_impl=m.attention_impl,
+                    **(m.overrides or {}))
+    if m.preset is not None:
+        if m.preset not in PRESETS:
+            raise ValueError(f"model.preset: unknown preset {m.preset!r}; known: {sorted(PRESETS)}")
+        return PRESETS[m.preset](**numerics)
+    return Qwen2Config.from_hf(resolve_model_path(m.path), **numerics)
+
+
+class TrainerWorker:
+    """Owns the device state of a run. `total_steps` sizes the LR schedule."""
+
+    def __init__(self, run: RunConfig, *, total_steps: int, model_cfg: Qwen2Config | None = None):
+        self.run = run
+        t = run.trainer
+        self.mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor)
+        self.dp = sharding.data_parallel_size(self.mesh)
+        self.cfg = model_cfg or model_config(run)
+        self.actor_gd, _ = graphdef_and_abstract_params(self.cfg)
+        self.actor_sh = param_shardings(self.cfg, self.mesh)
+        params = self._load_actor_params()
+
+        n_mini = run.data.train_batch_size // run.actor.ppo_mini_batch_size
+        self.tx, self.lr_at = make_optimizer(
+            run.actor.lr, total_steps=total_steps, updates_per_step=n_mini * run.actor.ppo_epochs,
+            warmup_steps=run.actor.lr_warmup_steps, warmup_ratio=run.actor.lr_warmup_steps_ratio,
+            scheduler=run.actor.lr_scheduler, min_lr_ratio=run.actor.min_lr_ratio,
+            weight_decay=run.actor.weight_decay, betas=run.actor.betas, grad_clip=run.actor.grad_clip)
+        self.actor_state = self._init_state(params, self.tx, self.actor_sh)
+        self.actor_state_sh = jax.tree.map(lambda x: x.sharding, self.actor_state)
+
+        self.needs_ref = run.actor.use_kl_loss or run.algo.use_kl_in_reward
+        self.ref_params = self._make_ref(params) if self.needs_ref else None
+
+        self.critic_state = None
+        if run.algo.uses_critic:
+            self.critic_gd, _ = graphdef_and_abstract_params(self.cfg, critic=True)
+            self.critic_sh = param_shardings(self.cfg, self.mesh, critic=True)
+            c = run.critic
+            self.critic_tx, self.critic_lr_at = make_optimizer(
+                c.lr, total_steps=total_steps, updates_per_step=n_mini * (c.ppo_epochs or run.actor.ppo_epochs),
+                warmup_steps=c.lr_warmup_steps, scheduler=c.lr_scheduler, weight_decay=c.weight_decay,
+                grad_clip=c.grad_clip)
+            self.critic_state = self._init_state(self._load_critic_params(), self.critic_tx, self.critic_sh)
+            self.critic_state_sh = jax.tree.map(lambda x: x.sharding, self.critic_state)
+
+        self._build_steps()
+        self.engine = None
+        if run.rollout.engine == "jax":
+            self.engine = JaxEngine(self.cfg, self.actor_state["params"], mesh=self.mesh, dtype=self.cfg.dtype,
+                                    max_prompt_length=run.data.max_prompt_length,
+                                    max_batch_size=run.rollout.max_batch_size)
+
+    # ---- construction ----------------------------------------------------------------------------
+    def _load_actor_params(self):
+        m = self.run.model
+        if m.preset is not None:
+            return init_params(self.cfg, mesh=self.mesh, seed=m.seed)
+        return load_params(resolve_model_path(m.path), self.cfg, mesh=self.mesh)
+
+    def _load_critic_params(self):
+        m = self.run.model
+        if m.preset is not None:
+            return init_params(self.cfg, mesh=self.mesh, seed=m.seed + 1, critic=True)
+        path = resolve_model_path(m.critic_path or m.path)
+        with open(os.path.join(path, "config.json")) as f:
+            is_critic = "Qwen2ForTokenClassification" in f.read()
+        if is_critic:
+            return load_params(path, self.cfg, mesh=self.mesh, critic=True)
+        # veRL initialises the critic from the actor checkpoint with a fresh value head.
+        lm = load_params(path, self.cfg, mesh=self.mesh)
+        head = init_params(self.cfg.replace(num_hidden_layers=1, vocab_size=8), seed=m.seed + 1, critic=True)
+        score = jax.device_put(head["score"], self.critic_sh["score"])
+        return {"model": lm["model"], "score": score}
+
+    def _init_state(self, params, tx, param_sh):
+        opt_state = jax.jit(tx.init)(params)
+        return {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32),
+                "skipped": jnp.zeros((), jnp.int32)}
+
+    def _make_ref(self, params):
+        """The frozen reference policy in the compute dtype; on the host when `ref_offload`."""
+        dt = jnp.dtype(self.cfg.dtype)
+        ref = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt), p), out_shardings=self.actor_sh)(params)
+        if self.run.trainer.ref_offload:
+            ref = jax.device_get(ref)
+        return ref
+
+    def _build_steps(self):
+        run = self.run
+        temp = run.rollout.temperature
+        chunk = run.actor.logprob_chunk_size
+        self.pack = self._pack_shape()
+        self.logprob_fn = steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk, with_entropy=True)
+        self.loss_settings = steps.ActorLossSettings(
+            temperature=temp, clip_ratio_low=run.actor.low, clip_ratio_high=run.actor.high,
+            clip_ratio_c=run.actor.clip_ratio_c, loss_agg_mode=run.actor.loss_agg_mode,
+            entropy_coeff=run.actor.entropy_coeff, use_kl_loss=run.actor.use_kl_loss,
+            kl_loss_coef=run.actor.kl_loss_coef, kl_loss_type=run.actor.kl_loss_type, chunk_size=chunk)
+        self.actor_grad = steps.make_grad_step(steps.actor_loss, self.actor_gd, self.actor_sh, s=self.loss_settings)
+        self.actor_metrics0 = steps.make_metrics_init(steps.actor_loss, self.actor_gd, s=self.loss_settings)
+        self.actor_apply = steps.make_apply_step(self.tx, self.actor_state_sh)
+        self.actor_zeros = steps.make_zeros(self.actor_sh)
+        self.adv_fn = self._make_adv_fn()
+        if self.critic_state is not None:
+            kw = dict(cliprange_value=run.critic.cliprange_value, loss_agg_mode=run.critic.loss_agg_mode)
+            self.value_fn = steps.make_value_fn(self.critic_gd)
+            self.critic_grad = steps.make_grad_step(steps.critic_loss, self.critic_gd, self.critic_sh, **kw)
+            self.critic_metrics0 = steps.make_metrics_init(steps.critic_loss, self.critic_gd, **kw)
+            self.critic_apply = steps.make_apply_step(self.critic_tx, self.critic_state_sh)
+            self.critic_zeros = steps.make_zeros(self.critic_sh)
+
+    def _pack_shape(self) -> PackShape:
+        run = self.run
+        length = run.pack_length
+        per_device = max(1, run.actor.ppo_max_token_len_per_gpu // length)
+        rows = per_device * self.dp
+        max_seqs = rows * max(1, length // 8)
+        return PackShape(rows=rows, length=length, max_seqs=max_seqs, resp_len=run.data.max_response_length)
+
+    # ---- placement -------------------------------------------------------------------------------
+    def _put(self, mb: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        out = {}
+        for k, v in mb.items():
+            if k in HOST_ONLY:
+                continue
+            out[k] = jax.device_put(v, sharding.batch_sharding(self.mesh, v.ndim, v.shape))
+        return out
+
+    def _micro_batches(self, batch: TrainBatch, fields):
+        lengths = batch.prompt_lengths + batch.response_lengths
+        for placements in plan_micro_batches(lengths, self.pack):
+            mb = build_micro_batch(batch, placements, self.pack, fields=fields, pad_id=self.cfg.pad_token_id or 0)
+            yield mb["seq_ids"], self._put(mb)
+
+    def _forward(self, fn, params, batch: TrainBatch, keys) -> dict[str, np.ndarray]:
+        out = {k: np.zeros(batch.responses.shape, np.float32) for k in keys}
+        with jax.set_mesh(self.mesh):
+            for seq_ids, mb in self._micro_batches(batch, ()):
+                res = jax.device_get(fn(params, mb))
+                used = seq_ids >= 0
+                for k in keys:
+                    out[k][seq_ids[used]] = res[k][used]
+        for k in keys:
+            out[k] *= batch.response_mask
+        return out
+
+    # ---- the RL step -----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        return self.engine.generate(prompts, sampling)
+
+    def compute_log_prob(self, batch: TrainBatch) -> dict[str, np.ndarray]:
+        """Old log-probs and entropy of the current actor ([R, Tr] each)."""
+        out = self._forward(self.logprob_fn, self.actor_state["params"], batch, ("log_prob", "entropy"))
+        return {"old_log_prob": out["log_prob"], "entropy": out["entropy"]}
+
+    def compute_ref_log_prob(self, batch: TrainBatch) -> np.ndarray:
+        ref = self.ref_params
+        if self.run.trainer.ref_offload:
+            ref = jax.device_put(ref, self.actor_sh)
+        return self._forward(self.logprob_fn, ref, batch, ("log_prob",))["log_prob"]
+
+    def compute_values(self, batch: TrainBatch) -> np.ndarray:
+        return self._forward(self.value_fn, self.critic_state["params"], batch, ("values",))["values"]
+
+    def _make_adv_fn(self):
+        """One jitted function: (scores, old/ref log-probs, values, mask, groups, kl_coef) ->
+        token-level rewards (with the in-reward KL penalty when configured), advantages, returns."""
+        algo = self.run.algo
+        est = get_adv_estimator_fn(algo.adv_estimator)
+
+        def fn(scores, old_lp, ref_lp, values, mask, index, kl_coef):
+            metrics = {}
+            rewards = scores
+            if algo.use_kl_in_reward:
+                rewards, metrics = apply_kl_penalty(scores, old_lp, ref_lp, mask, kl_coef, algo.kl_penalty)
+            if algo.adv_estimator == "gae":
+                adv, ret = est(rewards, values, mask, algo.gamma, algo.lam)
+            elif algo.adv_estimator == "grpo":
+                adv, ret = est(rewards, mask, index, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+            elif algo.adv_estimator == "reinforce_plus_plus":
+                adv, ret = est(rewards, mask, algo.gamma)
+            else:
+                adv, ret = est(rewards, mask, index)
+            return rewards, adv, ret, metrics
+
+        return jax.jit(fn)
+
+    def compute_advantages(self, batch: TrainBatch, kl_coef: float = 0.0) -> dict:
+        """Token-level rewards, advantages and returns [R, Tr] (veRL semantics), on device."""
+        f = batch.fields
+        zeros = np.zeros_like(batch.response_mask)
+        rewards, adv, ret, metrics = self.adv_fn(
+            f["token_level_scores"], f.get("old_log_prob", zeros), f.get("ref_log_prob", zeros),
+            f.get("values", zeros), batch.response_mask, batch.group_ids, np.float32(kl_coef))
+        fields = {"token_level_rewards": np.asarray(rewards), "advantages": np.asarray(adv), "returns": np.asarray(ret)}
+        return {"fields": fields, "metrics": {k: float(v) for k, v in metrics.items()}}
+
+    def _update(self, batch: TrainBatch, *, state, grad_fn, metrics0, zeros, apply_fn, fields, epochs, lr, prefix):
+        run = self.run
+        mini = run.actor.ppo_mini_batch_size * run.rollout.n
+        history = []
+        with jax.set_mesh(self.mesh):
+            for _ in range(epochs):
+                for idx in split_mini_batches(len(batch), mini):
+                    sub = batch.select(idx)
+                    mask = sub.response_mask
+                    norm = LossNorm(num_tokens=jnp.float32(max(mask.sum(), 1.0)),
+                                    num_seqs=jnp.float32(max((mask.sum(-1) > 0).sum(), 1)),
+                                    max_len=jnp.float32(run.data.max_response_length))
+                    grads = metrics = None
+                    for _, mb in self._micro_batches(sub, fields):
+                        if grads is None:
+                            grads = zeros(state["params"])
+                            metrics = metrics0(state["params"], mb, norm)
+                        grads, metrics = grad_fn(state["params"], grads, metrics, mb, norm)
+                    state, applied = apply_fn(state, grads)
+                    m = jax.device_get(metrics)
+                    m[f"{prefix}/grad_norm"] = jax.device_get(applied["grad_norm"])
+                    m[f"{prefix}/skipped_steps"] = jax.device_get(applied["skipped"])
+                    m[f"{prefix}/lr"] = lr
+                    history.append(m)
+        out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+        out[f"{prefix}/skipped_steps"] = float(sum(h[f"{prefix}/skipped_steps"] for h in history))
+        if "actor/logprob_gap_max" in out:
+            out["actor/logprob_gap_max"] = float(max(h["actor/logprob_gap_max"] for h in history))
+        return state, out
+
+    def update_actor(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        """PPO epochs x mini-batches of AdamW updates; `step` is the training step (for the LR)."""
+        fields = ["old_log_prob", "advantages"]
+        if self.run.actor.use_kl_loss:
+            fields.append("ref_log_prob")
+        if "rollout_log_probs" in batch.fields:
+            fields.append("rollout_log_probs")
+        self.actor_state, metrics = self._update(
+            batch, state=self.actor_state, grad_fn=self.actor_grad, metrics0=self.actor_metrics0,
+            zeros=self.actor_zeros, apply_fn=self.actor_apply, fields=fields, epochs=self.run.actor.ppo_epochs,
+            lr=float(self.lr_at(step)),
+            prefix="actor")
+        if self.run.actor.use_kl_loss:
+            metrics["actor/kl_coef"] = self.run.actor.kl_loss_coef
+        return metrics
+
+    def update_critic(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        self.critic_state, metrics = self._update(
+            batch, state=self.critic_state, grad_fn=self.critic_grad, metrics0=self.critic_metrics0,
+            zeros=self.critic_zeros, apply_fn=self.critic_apply, fields=["values", "returns"],
+            epochs=self.run.critic.ppo_epochs or self.run.actor.ppo_epochs, lr=float(self.critic_lr_at(step)),
+            prefix="critic")
+        return metrics
+
+    def sync_rollout_weights(self, step: int) -> None:
+        """Moves the new actor weights into the JAX engine, in device memory."""
+        if self.engine is not None:
+            self.engine.update_weights(self.actor_state["params"], step=step)
+            jax.block_until_ready(self.engine.params)
+
+    def save_weights(self, directory: str, step: int) -> str:
+        """Writes the actor params as a weights-only Orbax checkpoint (for a vLLM pool)."""
+        from jaxrl_llm.weights_io import save_weights
+
+        return save_weights(directory, step, self.actor_state["params"], self.cfg)
+
+    # ---- small queries for the driver -------------------------------------------------------------
+    def model_config(self) -> Qwen2Config:
+        return self.cfg
+
+    def needs_ref_flag(self) -> bool:
+        return self.needs_ref
+
+    def num_devices(self) -> int:
+        return self.mesh.devices.size
+
+    def peak_tflops(self) -> float:
+        from jaxrl_llm.trainer.metrics import peak_tflops
+
+        return peak_tflops(self.run.trainer.peak_tflops)
+
+    def actor_model(self) -> nnx.Module:
+        return nnx.merge(self.actor_gd, self.actor_state["params"])
