@@ -14,9 +14,6 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from jaxrl_llm.data.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -76,6 +73,9 @@ def _read_local_split(local_dataset_path: str, split: str) -> tuple[list[dict], 
     # The layout of a downloaded hub snapshot of openai/gsm8k: main/<split>-00000-of-00001.parquet.
     shards = sorted(glob.glob(os.path.join(local_dataset_path, "main", f"{split}-*.parquet")))
     if shards:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         try:
             return [row for shard in shards for row in pq.read_table(shard).to_pylist()], shards[0]
         except (pa.ArrowException, OSError) as e:
@@ -114,6 +114,9 @@ def load_gsm8k_rows(split: str, local_dataset_path: str | None = None) -> list[d
 def write_gsm8k_parquet(local_save_dir: str, local_dataset_path: str | None = None,
                         splits: Sequence[str] = SPLITS) -> dict[str, str]:
     """Writes `<split>.parquet` for each split into `local_save_dir`; returns split -> path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     local_save_dir = os.path.expanduser(local_save_dir)
     os.makedirs(local_save_dir, exist_ok=True)
     paths = {}

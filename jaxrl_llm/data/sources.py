@@ -14,9 +14,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from jaxrl_llm.data.errors import DataError
 
 SUFFIXES = (".parquet", ".jsonl")
@@ -45,6 +42,9 @@ def _as_file_list(files) -> list[str]:
 
 
 def _read_parquet(path: str, prompt_key: str) -> list[dict]:
+    import pyarrow as pa  # only parquet needs it; jsonl datasets work without pyarrow
+    import pyarrow.parquet as pq
+
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as e:

@@ -110,8 +110,10 @@ def _is_stop(tokens, stop_ids):
     return jnp.any(tokens[:, None] == jnp.asarray(stop_ids, jnp.int32)[None, :], axis=-1)
 
 
-def first_token(logits, key, prompt_lens, *, spec: DecodeSpec, n: int) -> dict[str, Any]:
-    """Samples token 0 of every response from the (repeated) prefill logits; builds the loop state."""
+def first_token(logits, key, prompt_lens, row_max, *, spec: DecodeSpec, n: int) -> dict[str, Any]:
+    """Samples token 0 of every response from the (repeated) prefill logits; builds the loop state.
+
+    `row_max` [R] caps each response's length (<= spec.max_new_tokens)."""
     logits = jnp.repeat(logits, n, axis=0)  # [R, V]
     r = logits.shape[0]
     tok = sample_next(logits, jax.random.fold_in(key, 0), temperature=spec.temperature,
@@ -119,9 +121,9 @@ def first_token(logits, key, prompt_lens, *, spec: DecodeSpec, n: int) -> dict[s
     logp = token_logprobs(logits, tok, temperature=spec.temperature)
     tokens = jnp.full((r, spec.max_new_tokens), spec.pad_id, jnp.int32).at[:, 0].set(tok)
     logps = jnp.zeros((r, spec.max_new_tokens), jnp.float32).at[:, 0].set(logp)
-    done = _is_stop(tok, spec.stop_ids) | (spec.max_new_tokens == 1)
+    done = _is_stop(tok, spec.stop_ids) | (row_max <= 1)
     return dict(tokens=tokens, logps=logps, done=done, lengths=jnp.ones((r,), jnp.int32),
-                t=jnp.asarray(1, jnp.int32), key=key, prompt_lens=jnp.repeat(prompt_lens, n))
+                t=jnp.asarray(1, jnp.int32), key=key, prompt_lens=jnp.repeat(prompt_lens, n), row_max=row_max)
 
 
 def decode_segment(gd, eparams, state, caches, prompt_mask, t_end, *, spec: DecodeSpec):
@@ -171,7 +173,7 @@ def decode_segment(gd, eparams, state, caches, prompt_mask, t_end, *, spec: Deco
         was_done = st["done"]
         tok = jnp.where(was_done, spec.pad_id, tok)
         logp = jnp.where(was_done, 0.0, logp)
-        done = was_done | _is_stop(tok, spec.stop_ids) | (t + 1 >= spec.max_new_tokens)
+        done = was_done | _is_stop(tok, spec.stop_ids) | (t + 1 >= st["row_max"])
         st = dict(st, t=t + 1, done=done, lengths=st["lengths"] + (~was_done).astype(jnp.int32),
                   tokens=jax.lax.dynamic_update_index_in_dim(st["tokens"], tok, t, axis=1),
                   logps=jax.lax.dynamic_update_index_in_dim(st["logps"], logp, t, axis=1))

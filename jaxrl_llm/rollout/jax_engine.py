@@ -30,7 +30,7 @@ from jaxrl_llm.models.hf_table import param_table
 from jaxrl_llm.models.params import param_shardings
 from jaxrl_llm.models.qwen2 import abstract_model
 from jaxrl_llm.rollout import decode
-from jaxrl_llm.rollout.base import RolloutBatch, SamplingParams, check_prompts
+from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams, check_prompts
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +146,10 @@ class JaxEngine:
             max_new_tokens=int(sampling.max_new_tokens))
 
     @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "capacity", "n"))
-    def _prefill(self, eparams, ids, mask, key, *, spec, capacity, n):
+    def _prefill(self, eparams, ids, mask, row_max, key, *, spec, capacity, n):
         caches, logits = decode.prefill(self._gd, eparams, ids, mask, spec=spec, capacity=capacity)
         caches = [(jnp.repeat(k, n, axis=0), jnp.repeat(v, n, axis=0)) for k, v in caches]
-        state = decode.first_token(logits, key, jnp.sum(mask, axis=1), spec=spec, n=n)
+        state = decode.first_token(logits, key, jnp.sum(mask, axis=1), row_max, spec=spec, n=n)
         return state, caches
 
     @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2, 3))
@@ -160,8 +160,13 @@ class JaxEngine:
     def _grow(self, caches, capacity):
         return decode.grow_caches(caches, capacity)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
-        """Samples `sampling.n` responses for every prompt (prompt-major order in the result)."""
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                 max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
+        """Samples `sampling.n` responses for every prompt (prompt-major order in the result).
+
+        `max_new_tokens_per_row` optionally caps each response row (len(prompts) * n values, each
+        <= sampling.max_new_tokens), like per-request budgets in vLLM.
+        """
         check_prompts(prompts, self.max_prompt_length, self.cfg.vocab_size, sampling,
                       self.cfg.max_position_embeddings)
         if self.params is None:
@@ -173,11 +178,18 @@ class JaxEngine:
         tokens = np.full((len(prompts) * n, spec.max_new_tokens), spec.pad_id, np.int32)
         logps = np.zeros(tokens.shape, np.float32)
         lengths = np.zeros(len(prompts) * n, np.int32)
+        row_max = np.full(len(prompts) * n, spec.max_new_tokens, np.int32)
+        if max_new_tokens_per_row is not None:
+            row_max = np.clip(np.asarray(max_new_tokens_per_row, np.int32), 1, spec.max_new_tokens)
+            if row_max.shape != (len(prompts) * n,):
+                raise RolloutError(f"max_new_tokens_per_row has {row_max.size} values; need len(prompts) * n = "
+                                   f"{len(prompts) * n}")
         key = jax.random.key(sampling.seed)
         for c, start in enumerate(range(0, len(order), per_chunk)):
             chunk = order[start:start + per_chunk]
-            out = self._generate_chunk([prompts[i] for i in chunk], spec, n, jax.random.fold_in(key, c))
             rows = (np.asarray(chunk)[:, None] * n + np.arange(n)[None, :]).reshape(-1)
+            out = self._generate_chunk([prompts[i] for i in chunk], spec, n, jax.random.fold_in(key, c),
+                                       row_max[rows])
             tokens[rows], logps[rows], lengths[rows] = out
         width = int(lengths.max())
         tokens, logps = tokens[:, :width], logps[:, :width]
@@ -188,7 +200,7 @@ class JaxEngine:
                             logprobs=logps, lengths=lengths, finish_reasons=reasons,
                             weight_version=self.version)
 
-    def _generate_chunk(self, prompts, spec, n, key):
+    def _generate_chunk(self, prompts, spec, n, key, row_max):
         b = len(prompts)
         bp = _round_up(_next_pow2(b), self._dp) if b > 1 else self._dp
         p = _round_up(max(len(x) for x in prompts), self.prompt_bucket)
@@ -199,10 +211,13 @@ class JaxEngine:
             ids[i, p - len(src):] = src
             mask[i, p - len(src):] = 1
         cap = min(_next_pow2(spec.max_new_tokens), self.gen_bucket)
+        rmax = np.full(bp * n, 1, np.int32)
+        rmax[: b * n] = row_max
         with self._mesh_ctx():
             ids_d = jax.device_put(ids, self._batch_sharding(2))
             mask_d = jax.device_put(mask, self._batch_sharding(2))
-            state, caches = self._prefill(self.params, ids_d, mask_d, key, spec=spec, capacity=p + cap, n=n)
+            rmax_d = jax.device_put(rmax, self._batch_sharding(1))
+            state, caches = self._prefill(self.params, ids_d, mask_d, rmax_d, key, spec=spec, capacity=p + cap, n=n)
             prompt_mask = jnp.repeat(mask_d.astype(bool), n, axis=0)
             while True:
                 t_end = min(cap + 1, spec.max_new_tokens)

@@ -159,3 +159,16 @@ def test_bad_prompts_fail_before_work(hf_and_model):
         eng.generate([[1, 2, 500]], SamplingParams())
     with pytest.raises(RolloutError, match="empty"):
         eng.generate([[]], SamplingParams())
+
+
+def test_per_row_budgets_cap_each_response(engine):
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=1, ignore_eos=True)
+    caps = [1, 12, 5, 3, 7, 2, 9, 4]
+    out = engine.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
+    np.testing.assert_array_equal(out.lengths, caps)
+    assert all(r == "length" for r in out.finish_reasons)
+    full = engine.generate(PROMPTS, sp)
+    for r, cap in enumerate(caps):  # same seed: the capped rows are prefixes of the uncapped ones
+        assert out.response_ids(r) == full.response_ids(r)[:cap]
+    with pytest.raises(RolloutError, match="need len"):
+        engine.generate(PROMPTS, sp, max_new_tokens_per_row=[3, 4])

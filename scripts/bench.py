@@ -1,0 +1,481 @@
+"""One command for the GPU benchmarks; writes JSON and a markdown table.
+
+  python scripts/bench_torch.py --out /tmp/tb           # transformers peers + parity reference
+  python scripts/bench.py --sections all --torch_results /tmp/tb --out $OUT
+
+Sections (comma-separated, or "all"):
+  ceilings  device copy bandwidth and bf16 matmul rate (the roofline and MFU denominators)
+  attention cuDNN flash attention on packed rows vs XLA (values, gradients, time); XLA if it fails
+  parity    Qwen2.5-1.5B shape: our fp32 logits vs transformers' fp32 on the same GPU; bf16 vs fp32
+  logprob   chunked logprob+entropy vs naive for a Qwen2.5-7B head (D 3584, V 151936) at 16k tokens
+  rollout   JAX sampler tokens/s and % of the HBM roofline at batch 64/256/1024, 232 new tokens
+  train     fwd+bwd+AdamW at the peers' shapes, and the GRPO actor update at the seed's per-GPU batch
+  e2e       full GRPO steps (seed shape per GPU) through RLTrainer: time per phase, tokens/s/GPU, MFU
+  sync      trainer -> engine weight sync, and Orbax save/restore of the actor weights
+
+Everything runs on random weights (never zeros) at the real Qwen2.5 shapes. `--small` swaps in tiny
+shapes to smoke-test the script on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxrl_llm.models import Qwen2Config, init_params, load_hf  # noqa: E402
+from jaxrl_llm.models.config import PRESETS  # noqa: E402
+from jaxrl_llm.trainer.metrics import veRL_flops  # noqa: E402
+from scripts.bench_common import REPO, data_dir, gsm8k_prompts, seed_response_lengths  # noqa: E402
+
+RESULTS: list[dict] = []
+CEILINGS = {"copy_tb_s": None, "matmul_tflops": None}
+ATTENTION = {"impl": "auto"}  # set to "xla" if the cuDNN self-check fails
+
+
+def emit(**row):
+    row = {k: (float(v) if isinstance(v, np.floating) else v) for k, v in row.items()}
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def timeit(fn, *args, warmup: int = 1, iters: int = 5) -> float:
+    """Median wall seconds of `fn(*args)` with the result synchronised."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def compiled_gb(jitted, *args) -> float:
+    """Peak device memory of one compiled call: arguments + outputs + temporaries - aliased."""
+    m = jitted.lower(*args).compile().memory_analysis()
+    if m is None:
+        return float("nan")
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return total / 1e9
+
+
+def device_gb() -> float:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use", 0) / 1e9
+
+
+# ---- sections ------------------------------------------------------------------------------------
+
+
+def ceilings(small: bool):
+    n = (1 << 20) if small else (1 << 31)  # bytes of bf16 data: 2 GiB on the GPU
+    x = jax.random.normal(jax.random.key(0), (n // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a * 1.5)
+    dt = timeit(copy, x, iters=10)
+    CEILINGS["copy_tb_s"] = 2 * x.nbytes / dt / 1e12
+    emit(section="ceilings", what="copy", bytes=2 * x.nbytes, seconds=dt, tb_s=CEILINGS["copy_tb_s"])
+    m = 512 if small else 8192
+    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+    mm = jax.jit(lambda p, q: p @ q)
+    dt = timeit(mm, a, b, iters=10)
+    CEILINGS["matmul_tflops"] = 2 * m ** 3 / dt / 1e12
+    emit(section="ceilings", what="bf16_matmul", m=m, seconds=dt, tflops=CEILINGS["matmul_tflops"])
+
+
+def attention(small: bool):
+    """cuDNN flash attention on packed rows (segment mask + causal) against XLA: values, gradients, time."""
+    from jaxrl_llm.models.qwen2 import dot_product_attention, segment_mask
+
+    b, t, n, k, h = (2, 64, 4, 2, 16) if small else (8, 2048, 12, 2, 128)
+    keys = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
+    kk = jax.random.normal(keys[1], (b, t, k, h), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, t, k, h), jnp.bfloat16)
+    seg = np.zeros((b, t), np.int32)
+    for row in range(b):  # three packed sequences and right padding in every row
+        cuts = sorted(np.random.default_rng(row).choice(np.arange(8, t - 8), 3, replace=False))
+        seg[row, :cuts[0]], seg[row, cuts[0]:cuts[1]], seg[row, cuts[1]:cuts[2]] = 1, 2, 3
+    idx = jnp.broadcast_to(jnp.arange(t), (b, t))
+    mask = segment_mask(jnp.asarray(seg), jnp.asarray(seg), idx, idx)
+    valid = jnp.asarray(seg > 0)[:, :, None, None]
+    impls = ["xla"] + ([] if jax.default_backend() != "gpu" else ["cudnn"])
+    outs = {}
+    for impl in impls:
+        f = jax.jit(lambda q, k, v, impl=impl: dot_product_attention(q, k, v, mask=mask, lengths=None, impl=impl))
+        g = jax.jit(jax.grad(lambda q, k, v, impl=impl: jnp.sum(
+            jnp.where(valid, dot_product_attention(q, k, v, mask=mask, lengths=None, impl=impl), 0).astype(jnp.float32)
+            ** 2), argnums=(0, 1, 2)))
+        try:
+            outs[impl] = (np.asarray(f(q, kk, v), np.float32), [np.asarray(x, np.float32) for x in g(q, kk, v)])
+            emit(section="attention", impl=impl, shape=f"{b}x{t} N{n} K{k} H{h}", fwd_ms=timeit(f, q, kk, v) * 1e3,
+                 fwd_bwd_ms=timeit(g, q, kk, v) * 1e3)
+        except Exception as e:
+            emit(section="attention", impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
+            ATTENTION["impl"] = "xla"
+    if "cudnn" in outs and "xla" in outs:
+        vm = np.asarray(valid)
+        ref, got = outs["xla"], outs["cudnn"]
+        err = np.max(np.abs(np.where(vm, got[0] - ref[0], 0))) / np.max(np.abs(np.where(vm, ref[0], 0)))
+        gerr = max(np.max(np.abs(a - r)) / np.max(np.abs(r)) for a, r in zip(got[1], ref[1]))
+        emit(section="attention", impl="cudnn vs xla", out_rel_err=float(err), grad_rel_err=float(gerr))
+        if not (err < 3e-2 and gerr < 5e-2):
+            ATTENTION["impl"] = "xla"
+            emit(section="attention", note="cuDNN disagrees with XLA; the rest of the run uses XLA attention")
+
+
+def parity(torch_dir: str, small: bool):
+    ref = np.load(os.path.join(torch_dir, "parity_ref.npz"))
+    ids, mask, ref_logits = ref["ids"], ref["mask"], ref["logits"]
+    model_dir = next(os.path.join(torch_dir, d) for d in os.listdir(torch_dir) if d.startswith("hf_"))
+    valid = mask.astype(bool)
+    with jax.default_matmul_precision("highest"):
+        model = load_hf(model_dir, dtype="float32")
+        ours = np.asarray(jax.jit(lambda i, m, f=model: f(i, attention_mask=m))(jnp.asarray(ids, jnp.int32),
+                                                                                  jnp.asarray(mask, jnp.int32)))
+    err = np.max(np.abs(ours[valid] - ref_logits[valid])) / np.max(np.abs(ref_logits[valid]))
+    emit(section="parity", what="fp32 jax vs fp32 torch (TF32 off)", rel_err=float(err),
+         max_abs_ref=float(np.max(np.abs(ref_logits[valid]))))
+    model = None
+    bf = load_hf(model_dir, dtype="bfloat16")
+    ours_bf = np.asarray(jax.jit(lambda i, m: bf(i, attention_mask=m))(jnp.asarray(ids, jnp.int32),
+                                                                        jnp.asarray(mask, jnp.int32)))
+    err_bf = np.max(np.abs(ours_bf[valid] - ours[valid])) / np.max(np.abs(ours[valid]))
+    agree = np.mean(np.argmax(ours_bf[valid], -1) == np.argmax(ours[valid], -1))
+    emit(section="parity", what="bf16 jax vs fp32 jax", rel_err=float(err_bf), argmax_agreement=float(agree))
+
+
+def logprob(small: bool):
+    from jaxrl_llm.algorithms import compute_token_logprobs, compute_token_logprobs_naive
+
+    n, d, v = (2048, 64, 1000) if small else (16384, 3584, 151936)
+    k = jax.random.split(jax.random.key(3), 3)
+    h = jax.random.normal(k[0], (n, d), jnp.bfloat16)
+    w = (jax.random.normal(k[1], (d, v), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    tgt = jax.random.randint(k[2], (n,), 0, v)
+
+    for name, fn in (("chunked", compute_token_logprobs), ("naive", compute_token_logprobs_naive)):
+        fwd = jax.jit(lambda h, w, t, fn=fn: fn(h, w, t, with_entropy=True))
+
+        def loss(h, w, t, fn=fn):
+            lp, ent = fn(h, w, t, with_entropy=True)
+            return jnp.mean(lp) + 0.01 * jnp.mean(ent)
+
+        bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        t_f = timeit(fwd, h, w, tgt)
+        t_b = timeit(bwd, h, w, tgt)
+        emit(section="logprob", impl=name, tokens=n, d=d, v=v, fwd_ms=t_f * 1e3, fwd_bwd_ms=t_b * 1e3,
+             fwd_gb=compiled_gb(fwd, h, w, tgt), fwd_bwd_gb=compiled_gb(bwd, h, w, tgt))
+
+
+def _random_params(cfg: Qwen2Config, mesh=None):
+    return init_params(cfg, mesh=mesh, seed=0)
+
+
+def _preset(name: str, small: bool, **kw) -> Qwen2Config:
+    """A preset by name; the CPU smoke test's tiny model keeps Qwen2's vocabulary for real prompts."""
+    return PRESETS[name](**kw, **({"vocab_size": 151936} if small else {}))
+
+
+def rollout(presets, batches, small: bool, new_tokens: int = 232):
+    from jaxrl_llm.rollout import JaxEngine, SamplingParams
+
+    bw = CEILINGS["copy_tb_s"] or 4.25
+    for preset in presets:
+        cfg = _preset(preset, small, dtype="bfloat16", param_dtype="bfloat16")
+        params = _random_params(cfg)
+        for batch in batches:
+            eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=batch, max_prompt_length=512,
+                            gen_bucket=256)
+            prompts = gsm8k_prompts(batch)
+            sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+            t0 = time.perf_counter()
+            eng.generate(prompts, sp)
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = eng.generate(prompts, sp.replace(seed=1))
+            dt = time.perf_counter() - t0
+            assert int(out.lengths.min()) == new_tokens
+            # Bytes a decode step must read: every weight once (the LM head too, not the embedding
+            # table), plus each sequence's K/V so far. Averaged over the 232 steps.
+            weight_bytes = (cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)) * 2
+            kv_per_token = cfg.num_hidden_layers * 2 * cfg.kv_dim * 2
+            mean_ctx = float(np.mean([len(p) for p in prompts])) + (new_tokens - 1) / 2
+            step_bytes = weight_bytes + batch * mean_ctx * kv_per_token
+            roofline_s = new_tokens * step_bytes / (bw * 1e12)
+            emit(section="rollout", preset=preset, batch=batch, new_tokens=new_tokens,
+                 mean_prompt=float(np.mean([len(p) for p in prompts])), seconds=dt, first_call_s=first,
+                 tokens_per_s=batch * new_tokens / dt, ms_per_step=dt / new_tokens * 1e3,
+                 step_gb=step_bytes / 1e9, roofline_pct=100 * roofline_s / dt)
+            eng = None
+        params = None
+
+
+def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat: str, fsdp: int = -1,
+             max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run"):
+    from jaxrl_llm.trainer import config as C
+
+    d = data_dir()
+    return C.RunConfig(
+        model=C.ModelConfig(preset=preset, tokenizer_path=os.path.join(d, "qwen2_tokenizer"),
+                            dtype="float32" if small else "bfloat16", param_dtype="float32", remat=remat,
+                            attention_impl=ATTENTION["impl"],
+                            overrides={"vocab_size": 151936} if small else None),
+        data=C.DataConfig(source="files", train_files=(os.path.join(d, "gsm8k_test.jsonl"),),
+                          train_batch_size=prompts, max_prompt_length=max_prompt, max_response_length=max_response),
+        rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=4096),
+        actor=C.ActorConfig(lr=1e-6, ppo_mini_batch_size=mini, ppo_max_token_len_per_gpu=budget, use_kl_loss=True,
+                            kl_loss_coef=0.001, kl_loss_type="low_var_kl"),
+        critic=C.CriticConfig(), algo=C.AlgoConfig(adv_estimator="grpo"), reward=C.RewardConfig(),
+        trainer=C.TrainerConfig(run_dir=run_dir, logger=("jsonl",), driver="inprocess", mesh_fsdp=fsdp,
+                                progress_bar=False, total_training_steps=3)).validate()
+
+
+def synthetic_batch(n_prompts: int, n: int, max_response: int, vocab: int, seed: int = 0, max_prompt: int = 512):
+    """GSM8K prompts with random responses of the seed's lengths and random advantages."""
+    from jaxrl_llm.trainer.batch import TrainBatch
+
+    prompts = [p[-max_prompt:] for p in gsm8k_prompts(n_prompts)]
+    r = n_prompts * n
+    lens = np.minimum(seed_response_lengths(r, seed), max_response)
+    rng = np.random.default_rng(seed)
+    responses = rng.integers(0, min(vocab, 150000), size=(r, max_response)).astype(np.int32)
+    mask = (np.arange(max_response)[None] < lens[:, None]).astype(np.float32)
+    prompt_ids = [np.asarray(prompts[i // n], np.int32) for i in range(r)]
+    b = TrainBatch(prompt_ids=prompt_ids, responses=responses * mask.astype(np.int32), response_mask=mask,
+                   group_ids=np.repeat(np.arange(n_prompts), n).astype(np.int32))
+    b.fields["advantages"] = (rng.standard_normal((r, 1)) * mask).astype(np.float32)
+    return b
+
+
+def train(presets, small: bool, remat_list):
+    from jaxrl_llm.algorithms import LossNorm
+    from jaxrl_llm.trainer.batch import PackShape, build_micro_batch, plan_micro_batches
+    from jaxrl_llm.trainer.worker import TrainerWorker
+
+    peak_meas = CEILINGS["matmul_tflops"] or 790.0
+    peer_shapes = {"qwen2p5_0p5b": (32, 512), "qwen2p5_1p5b": (16, 512), "qwen2p5_7b": (16, 512), "tiny": (8, 64)}
+    for preset in presets:
+        for remat in remat_list:
+            # The seed run's per-GPU share: 1024 prompts x 5 over 8 GPUs = 128 prompts x 5 a GPU.
+            n_prompts, n = (8, 2) if small else (128, 5)
+            budget = 2048 if small else 32768
+            run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=budget, remat=remat,
+                           small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512)
+            worker = TrainerWorker(run, total_steps=10)
+            cfg = worker.cfg
+            # (a) the peers' shape: B x S tokens, one sequence a row, one optimizer step.
+            bsz, seq = peer_shapes.get(preset, (8, 64))
+            shape = PackShape(rows=bsz, length=seq, max_seqs=bsz, resp_len=seq - 1)
+            batch = synthetic_batch(bsz, 1, seq - 1, cfg.vocab_size)
+            batch.prompt_ids = [p[:1] for p in batch.prompt_ids]  # 1-token prompt + (seq - 1) response
+            batch.response_mask[:] = 1.0
+            batch.fields["advantages"] = np.ones_like(batch.response_mask)
+            batch.fields["old_log_prob"] = np.zeros_like(batch.response_mask)
+            batch.fields["ref_log_prob"] = np.zeros_like(batch.response_mask)
+            mb_np = build_micro_batch(batch, [(i, i, 0) for i in range(bsz)], shape,
+                                      fields=("old_log_prob", "advantages", "ref_log_prob"))
+            with jax.set_mesh(worker.mesh):
+                mb = worker._put(mb_np)
+                norm = LossNorm(jnp.float32(bsz * (seq - 1)), jnp.float32(bsz), jnp.float32(seq - 1))
+                params = worker.actor_state["params"]
+                metrics0 = worker.actor_metrics0(params, mb, norm)
+
+                def step(w=worker, p=params, mb=mb, norm=norm):
+                    return w.actor_grad(p, w.actor_zeros(p), w.actor_metrics0(p, mb, norm), mb, norm)[0]
+
+                dt_grad = timeit(step, iters=3)
+                mem = compiled_gb(worker.actor_grad, params, worker.actor_zeros(params), metrics0, mb, norm)
+            tokens = bsz * seq
+            flops = veRL_flops(cfg, np.full(bsz, seq))
+            emit(section="train_peer_shape", preset=preset, remat=remat, batch=bsz, seq=seq, fwd_bwd_s=dt_grad,
+                 tokens_per_s=tokens / dt_grad, mfu_measured_peak=flops / dt_grad / 1e12 / peak_meas,
+                 mfu_989=flops / dt_grad / 1e12 / 989.0, grad_step_gb=mem)
+            # (b) the GRPO actor update on the seed's per-GPU batch (packed micro-batches, 4 mini-batches).
+            batch = synthetic_batch(n_prompts, n, run.data.max_response_length, cfg.vocab_size,
+                                    max_prompt=run.data.max_prompt_length)
+            t0 = time.perf_counter()
+            lp = worker.compute_log_prob(batch)
+            t_first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            lp = worker.compute_log_prob(batch)
+            t_lp = time.perf_counter() - t0
+            batch.fields["old_log_prob"] = lp["old_log_prob"]
+            batch.fields["ref_log_prob"] = lp["old_log_prob"]
+            seqlens = batch.prompt_lengths + batch.response_lengths
+            fwd_flops = veRL_flops(cfg, seqlens) / 3  # forward only: 2 of the 6
+            emit(section="logprob_pass", preset=preset, remat=remat, sequences=len(batch),
+                 tokens=int(seqlens.sum()), seconds=t_lp, first_call_s=t_first, tokens_per_s=seqlens.sum() / t_lp,
+                 mfu_measured_peak=fwd_flops / t_lp / 1e12 / peak_meas, mfu_989=fwd_flops / t_lp / 1e12 / 989.0)
+            worker.update_actor(batch, 0)  # compile
+            t0 = time.perf_counter()
+            metrics = worker.update_actor(batch, 1)
+            jax.block_until_ready(worker.actor_state["params"])
+            t_up = time.perf_counter() - t0
+            flops = veRL_flops(cfg, seqlens)
+            plans = plan_micro_batches(seqlens, worker.pack)
+            fill = seqlens.sum() / (len(plans) * worker.pack.rows * worker.pack.length)
+            emit(section="train_grpo_update", preset=preset, remat=remat, sequences=len(batch),
+                 tokens=int(seqlens.sum()), micro_batches=len(plans), pack_fill=float(fill), seconds=t_up,
+                 tokens_per_s=seqlens.sum() / t_up, mfu_measured_peak=flops / t_up / 1e12 / peak_meas,
+                 mfu_989=flops / t_up / 1e12 / 989.0, grad_norm=metrics["actor/grad_norm"], device_peak_gb=device_gb())
+            worker = params = None  # free the device memory before the next model
+
+
+def e2e(presets, small: bool, steps: int = 3):
+    from jaxrl_llm.trainer.loop import RLTrainer
+
+    for preset in presets:
+        n_prompts, n = (8, 2) if small else (128, 5)
+        run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else 32768,
+                       remat="full", small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
+                       run_dir=tempfile.mkdtemp())
+        trainer = RLTrainer(run)
+        engine = trainer.worker.obj.engine
+        generate = engine.generate
+        draws = iter(range(1000))
+
+        def capped(prompts, sampling, generate=generate, draws=draws):
+            lens = seed_response_lengths(len(prompts) * sampling.n, seed=next(draws))
+            return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens)
+
+        engine.generate = capped
+        for step in range(steps):
+            t0 = time.perf_counter()
+            m = trainer.train_step(next(trainer.iterator), step)
+            wall = time.perf_counter() - t0
+            keep = {k: v for k, v in m.items() if k.startswith(("timing_s/", "perf/")) or k in (
+                "response_length/mean", "response_length/max", "prompt_length/mean", "actor/grad_norm")}
+            emit(section="e2e", preset=preset, step=step, wall_s=wall, prompts=n_prompts, n=n, **keep)
+
+
+def sync(presets, small: bool):
+    from jaxrl_llm.rollout import JaxEngine
+    from jaxrl_llm.weights_io import restore_weights, save_weights
+
+    for preset in presets:
+        cfg = _preset(preset, small, dtype="bfloat16", param_dtype="float32")
+        params = _random_params(cfg)
+        eng = JaxEngine(cfg, None, dtype="bfloat16")
+        eng.update_weights(params)
+        dt = timeit(lambda e=eng, p=params: e.update_weights(p) and e.params, iters=3)
+        emit(section="sync", preset=preset, what="trainer->engine (fp32 -> bf16 engine layout, in device memory)",
+             seconds=dt)
+        d = tempfile.mkdtemp(dir="/tmp")
+        bf = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+        t0 = time.perf_counter()
+        save_weights(d, 1, bf, cfg)
+        t_save = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        restore_weights(d, 1)
+        t_restore = time.perf_counter() - t0
+        size = sum(x.nbytes for x in jax.tree.leaves(bf)) / 1e9
+        emit(section="sync", preset=preset, what="orbax weights save/restore (bf16, host restore)", gb=size,
+             save_s=t_save, restore_s=t_restore)
+        subprocess.run(["rm", "-rf", d], check=False)
+        params = bf = eng = None
+
+
+def torch_rows(torch_dir: str | None):
+    if not torch_dir:
+        return
+    path = os.path.join(torch_dir, "torch_results.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            for row in json.load(f):
+                if row.get("section") != "parity_ref":
+                    emit(**row)
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"### {meta['date']} · {meta['device']} · commit {meta['commit']}", ""]
+    by = {}
+    for r in rows:
+        by.setdefault(r["section"], []).append(r)
+    for section, items in by.items():
+        keys = [k for k in items[0] if k != "section"]
+        for it in items[1:]:
+            keys += [k for k in it if k not in keys and k != "section"]
+        lines.append(f"**{section}**")
+        lines.append("")
+        lines.append("| " + " | ".join(keys) + " |")
+        lines.append("|" + "---|" * len(keys))
+        for it in items:
+            cells = []
+            for k in keys:
+                v = it.get(k, "")
+                cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sections", default="all")
+    ap.add_argument("--presets", default="qwen2p5_0p5b,qwen2p5_1p5b,qwen2p5_7b")
+    ap.add_argument("--train_presets", default="qwen2p5_0p5b,qwen2p5_1p5b")
+    ap.add_argument("--batches", default="64,256,1024")
+    ap.add_argument("--remat", default="full")
+    ap.add_argument("--torch_results", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
+    ap.add_argument("--small", action="store_true", help="tiny shapes, to smoke-test on a CPU")
+    args = ap.parse_args()
+    sections = {"ceilings", "attention", "parity", "logprob", "rollout", "train", "e2e", "sync"} \
+        if args.sections == "all" \
+        else set(args.sections.split(","))
+    presets = ["tiny"] if args.small else args.presets.split(",")
+    train_presets = ["tiny"] if args.small else args.train_presets.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
+            "n_devices": jax.device_count(), "jax": jax.__version__, "commit": commit}
+    print(json.dumps(meta), flush=True)
+
+    def run(name, fn, *a):
+        if name not in sections:
+            return
+        try:
+            fn(*a)
+        except Exception as e:
+            traceback.print_exc()
+            emit(section=name, error=f"{type(e).__name__}: {str(e)[:300]}")
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump({"meta": meta, "results": RESULTS}, f, indent=1)
+
+    run("ceilings", ceilings, args.small)
+    run("attention", attention, args.small)
+    if args.torch_results:
+        torch_rows(args.torch_results)
+    run("parity", parity, args.torch_results, args.small)
+    run("logprob", logprob, args.small)
+    run("rollout", rollout, presets, batches, args.small)
+    run("train", train, train_presets, args.small, args.remat.split(","))
+    run("e2e", e2e, train_presets, args.small)
+    run("sync", sync, presets, args.small)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(markdown(RESULTS, meta))
+    print(markdown(RESULTS, meta))
+
+
+if __name__ == "__main__":
+    main()

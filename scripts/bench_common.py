@@ -1,0 +1,76 @@
+"""Shared workload definitions for the benchmarks: GSM8K prompts and the seed's response lengths.
+
+Prompts are real GSM8K test questions with veRL's instruction, through the Qwen2 chat template
+(94 tokens on average). Data comes from `.bench_data/` in the repo (carried to the GPU machine) or
+`../shared/data/`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+# The seed run's responses: 232 tokens on average, at most 1024. We draw lognormal lengths with that
+# mean (sigma 0.5), clipped to [16, 1024].
+SEED_RESPONSE_MEAN = 232
+SEED_RESPONSE_MAX = 1024
+
+
+def data_dir() -> str:
+    for d in (os.path.join(REPO, ".bench_data"), os.path.join(REPO, "..", "shared", "data")):
+        if os.path.isdir(os.path.join(d, "qwen2_tokenizer")):
+            return d
+    raise FileNotFoundError("no .bench_data/ or ../shared/data/ with qwen2_tokenizer")
+
+
+@functools.cache
+def tokenizer():
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(os.path.join(data_dir(), "qwen2_tokenizer"))
+
+
+@functools.cache
+def _questions() -> tuple[str, ...]:
+    d = data_dir()
+    path = os.path.join(d, "gsm8k_test.jsonl")
+    if os.path.exists(path):  # veRL-schema rows
+        with open(path) as f:
+            return tuple(json.loads(line)["prompt"][0]["content"] for line in f)
+    with open(os.path.join(d, "gsm8k", "test.jsonl")) as f:
+        return tuple(json.loads(line)["question"] + " " + INSTRUCTION for line in f)
+
+
+def gsm8k_prompts(n: int) -> list[list[int]]:
+    """n prompt token-id lists (cycling through the 1,319 test questions)."""
+    tok = tokenizer()
+    qs = _questions()
+    out = []
+    for i in range(n):
+        text = tok.apply_chat_template([{"role": "user", "content": qs[i % len(qs)]}], tokenize=False,
+                                       add_generation_prompt=True)
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def seed_response_lengths(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    mu = np.log(SEED_RESPONSE_MEAN) - 0.5 ** 2 / 2
+    return np.clip(np.round(rng.lognormal(mu, 0.5, size=n)), 16, SEED_RESPONSE_MAX).astype(np.int32)
+
+
+def hf_config_dict(preset: str) -> dict:
+    from jaxrl_llm.models.config import PRESETS
+
+    extra = {"vocab_size": 151936, "head_dim": 32, "num_attention_heads": 2, "num_key_value_heads": 1} \
+        if preset == "tiny" else {}
+    cfg = PRESETS[preset](**extra).to_hf()
+    cfg.pop("architectures", None)
+    cfg.pop("model_type", None)
+    return cfg
