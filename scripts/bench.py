@@ -42,6 +42,8 @@ from jaxrl_llm.trainer.metrics import veRL_flops  # noqa: E402
 from scripts.bench_common import REPO, data_dir, gsm8k_prompts, seed_response_lengths  # noqa: E402
 
 RESULTS: list[dict] = []
+# Roofline and MFU denominators: the hardware as torch's copy and cuBLAS matmul reach it on this GPU
+# (scripts/bench_torch.py); XLA's own elementwise and GEMM kernels reach less, reported beside.
 CEILINGS = {"copy_tb_s": None, "matmul_tflops": None}
 ATTENTION = {"impl": "auto"}  # set to "xla" if the cuDNN self-check fails
 
@@ -52,10 +54,14 @@ def emit(**row):
     print(json.dumps(row), flush=True)
 
 
-def timeit(fn, *args, warmup: int = 1, iters: int = 5) -> float:
-    """Median wall seconds of `fn(*args)` with the result synchronised."""
-    for _ in range(warmup):
+def timeit(fn, *args, warmup: int = 1, iters: int = 5, warm_s: float = 0.0) -> float:
+    """Median wall seconds of `fn(*args)` with the result synchronised (after `warmup` calls and at
+    least `warm_s` seconds of them, so the clocks are up)."""
+    t_end = time.perf_counter() + warm_s
+    for i in range(10 ** 6):
         jax.block_until_ready(fn(*args))
+        if i + 1 >= warmup and time.perf_counter() >= t_end:
+            break
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -85,16 +91,14 @@ def ceilings(small: bool):
     n = (1 << 20) if small else (1 << 31)  # bytes of bf16 data: 2 GiB on the GPU
     x = jax.random.normal(jax.random.key(0), (n // 2,), jnp.bfloat16)
     copy = jax.jit(lambda a: a * 1.5)
-    dt = timeit(copy, x, iters=10)
-    CEILINGS["copy_tb_s"] = 2 * x.nbytes / dt / 1e12
-    emit(section="ceilings", what="copy", bytes=2 * x.nbytes, seconds=dt, tb_s=CEILINGS["copy_tb_s"])
+    dt = timeit(copy, x, iters=10, warm_s=1.0)
+    emit(section="ceilings", what="xla_copy_bf16", framework="jax", tb_s=2 * x.nbytes / dt / 1e12)
     m = 512 if small else 8192
     a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
     mm = jax.jit(lambda p, q: p @ q)
-    dt = timeit(mm, a, b, iters=10)
-    CEILINGS["matmul_tflops"] = 2 * m ** 3 / dt / 1e12
-    emit(section="ceilings", what="bf16_matmul", m=m, seconds=dt, tflops=CEILINGS["matmul_tflops"])
+    dt = timeit(mm, a, b, iters=10, warm_s=1.0)
+    emit(section="ceilings", what="xla_bf16_matmul", framework="jax", m=m, tflops=2 * m ** 3 / dt / 1e12)
 
 
 def attention(small: bool):
@@ -194,7 +198,7 @@ def _preset(name: str, small: bool, **kw) -> Qwen2Config:
 def rollout(presets, batches, small: bool, new_tokens: int = 232):
     from jaxrl_llm.rollout import JaxEngine, SamplingParams
 
-    bw = CEILINGS["copy_tb_s"] or 4.25
+    bw = CEILINGS["copy_tb_s"] or 4.25  # PEERS.md: 4.25 TB/s measured on the lent H200
     for preset in presets:
         cfg = _preset(preset, small, dtype="bfloat16", param_dtype="bfloat16")
         params = _random_params(cfg)
@@ -210,6 +214,10 @@ def rollout(presets, batches, small: bool, new_tokens: int = 232):
             out = eng.generate(prompts, sp.replace(seed=1))
             dt = time.perf_counter() - t0
             assert int(out.lengths.min()) == new_tokens
+            eng.generate(prompts, sp.replace(max_new_tokens=1))
+            t0 = time.perf_counter()
+            eng.generate(prompts, sp.replace(max_new_tokens=1, seed=2))
+            t_prefill = time.perf_counter() - t0
             # Bytes a decode step must read: every weight once (the LM head too, not the embedding
             # table), plus each sequence's K/V so far. Averaged over the 232 steps.
             weight_bytes = (cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)) * 2
@@ -217,10 +225,13 @@ def rollout(presets, batches, small: bool, new_tokens: int = 232):
             mean_ctx = float(np.mean([len(p) for p in prompts])) + (new_tokens - 1) / 2
             step_bytes = weight_bytes + batch * mean_ctx * kv_per_token
             roofline_s = new_tokens * step_bytes / (bw * 1e12)
+            decode_s = dt - t_prefill
             emit(section="rollout", preset=preset, batch=batch, new_tokens=new_tokens,
                  mean_prompt=float(np.mean([len(p) for p in prompts])), seconds=dt, first_call_s=first,
-                 tokens_per_s=batch * new_tokens / dt, ms_per_step=dt / new_tokens * 1e3,
-                 step_gb=step_bytes / 1e9, roofline_pct=100 * roofline_s / dt)
+                 tokens_per_s=batch * new_tokens / dt, prefill_s=t_prefill,
+                 decode_ms_per_step=decode_s / (new_tokens - 1) * 1e3, step_gb=step_bytes / 1e9,
+                 roofline_pct=100 * roofline_s / dt,
+                 decode_roofline_pct=100 * roofline_s * (new_tokens - 1) / new_tokens / decode_s, hbm_tb_s=bw)
             eng = None
         params = None
 
@@ -267,7 +278,7 @@ def train(presets, small: bool, remat_list):
     from jaxrl_llm.trainer.batch import PackShape, build_micro_batch, plan_micro_batches
     from jaxrl_llm.trainer.worker import TrainerWorker
 
-    peak_meas = CEILINGS["matmul_tflops"] or 790.0
+    peak_meas = CEILINGS["matmul_tflops"] or 790.0  # PEERS.md: 774-787 TFLOP/s on the lent H200
     peer_shapes = {"qwen2p5_0p5b": (32, 512), "qwen2p5_1p5b": (16, 512), "qwen2p5_7b": (16, 512), "tiny": (8, 64)}
     for preset in presets:
         for remat in remat_list:
@@ -397,6 +408,10 @@ def torch_rows(torch_dir: str | None):
     if os.path.exists(path):
         with open(path) as f:
             for row in json.load(f):
+                if row.get("what") == "hw_copy":
+                    CEILINGS["copy_tb_s"] = row["tb_s"]
+                if row.get("what") == "hw_bf16_matmul":
+                    CEILINGS["matmul_tflops"] = row["tflops"]
                 if row.get("section") != "parity_ref":
                     emit(**row)
 

@@ -33,6 +33,30 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def ceilings() -> list[dict]:
+    """The hardware ceilings as the vendor library reaches them: a device copy and a bf16 matmul."""
+    import torch
+
+    x = torch.randn(1 << 29, device=DEVICE)  # 2 GiB
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    out = []
+    for what, fn, work in (("hw_copy", lambda: x.clone(), 2 * x.numel() * 4),
+                           ("hw_bf16_matmul", lambda: a @ b, 2 * 8192 ** 3)):
+        t_end = time.perf_counter() + 1.0
+        while time.perf_counter() < t_end:  # warm the clocks up
+            fn()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(30):
+            fn()
+        _sync()
+        dt = (time.perf_counter() - t0) / 30
+        key = "tb_s" if what == "hw_copy" else "tflops"
+        out.append({"section": "ceilings", "what": what, "framework": "torch", key: work / dt / 1e12})
+    return out
+
+
 def parity(out_dir: str, preset: str, n_prompts: int) -> dict:
     import torch
     import transformers
@@ -150,13 +174,16 @@ def main() -> None:
 
     def run(fn, *a):
         try:
-            r = fn(*a)
-            print(json.dumps(r), flush=True)
-            results.append(r)
+            rows = fn(*a)
+            for r in rows if isinstance(rows, list) else [rows]:
+                print(json.dumps(r), flush=True)
+                results.append(r)
         except Exception as e:  # keep the other measurements
             print(f"FAILED {fn.__name__}{a}: {type(e).__name__}: {e}", flush=True)
             results.append({"section": fn.__name__, "args": list(map(str, a)), "error": f"{type(e).__name__}: {e}"})
 
+    if big:
+        run(ceilings)
     if "parity" in sections:
         run(parity, args.out, "qwen2p5_1p5b" if big else "tiny", 8)
     if "generate" in sections:

@@ -151,17 +151,20 @@ class Linear(nnx.Module):
         return y
 
 
-class RMSNorm(nnx.Module):
-    """HF Qwen2RMSNorm: normalise in fp32, cast back, then scale."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF Qwen2RMSNorm: normalise in fp32, cast back to x's dtype, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
 
+
+class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, cfg: Qwen2Config):
         self.weight = nnx.Param(jnp.ones((dim,), _dtype(cfg.param_dtype)))
         self.eps = cfg.rms_norm_eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 class Attention(nnx.Module):

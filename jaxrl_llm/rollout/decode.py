@@ -1,11 +1,13 @@
 """Prefill and the jitted decode loop of the JAX sampler, as pure functions of engine params.
 
-Engine params hold the layers *unstacked* (a list, one dict per layer) in the engine dtype, so each
-decode step reads every weight exactly once with no per-layer slicing copies. KV caches are
-[B, K, S, H] per layer: the decode attention is then a batched matmul over contiguous [S, H] tiles.
+Engine params are an inference layout of the trainer's params: layers *unstacked* (a list, so each
+decode step reads every weight once, with no per-layer slicing copies), q/k/v fused into one
+[D, Q + 2KV] matmul and gate/up into one [D, 2F] matmul (a decode step is memory-bound: fewer,
+larger GEMMs stream the weights closer to the bandwidth limit). KV caches are [B, K, C, H] per layer,
+so decode attention is a batched matmul over contiguous [C, H] tiles.
 
 Glossary: R response rows (= prompts x n), P padded prompt length, C cache capacity (P + generated
-capacity), K kv-heads, G = N // K, H head dim, V vocab.
+capacity), D model, F mlp, K kv-heads, G = N // K, H head dim, V vocab.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models.qwen2 import (
     _MASK_VALUE,
+    apply_rope,
     dot_product_attention,
+    rms_norm,
     rope_cos_sin,
     segment_mask,
 )
@@ -32,9 +35,11 @@ class DecodeSpec:
     """Static description of one compiled decode program."""
 
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     rope_theta: float
+    rms_norm_eps: float
     temperature: float
     top_k: int
     top_p: float
@@ -43,47 +48,89 @@ class DecodeSpec:
     max_new_tokens: int
 
 
-def _embed(eparams, ids):
-    return jnp.take(eparams["embed"], ids, axis=0)
+def engine_layer(layer: dict, dtype) -> dict:
+    """One trainer layer (pure dict, unstacked) -> the fused engine layer."""
+    a, m = layer["self_attn"], layer["mlp"]
+    cast = lambda x: x.astype(dtype)
+    return {
+        "ln1": cast(layer["input_layernorm"]["weight"]),
+        "qkv_w": cast(jnp.concatenate([a["q_proj"]["kernel"], a["k_proj"]["kernel"], a["v_proj"]["kernel"]], -1)),
+        "qkv_b": cast(jnp.concatenate([a["q_proj"]["bias"], a["k_proj"]["bias"], a["v_proj"]["bias"]], -1)),
+        "o_w": cast(a["o_proj"]["kernel"]),
+        "ln2": cast(layer["post_attention_layernorm"]["weight"]),
+        "gate_up_w": cast(jnp.concatenate([m["gate_proj"]["kernel"], m["up_proj"]["kernel"]], -1)),
+        "down_w": cast(m["down_proj"]["kernel"]),
+    }
 
 
-def _final_logits(gd, eparams, h):
+ENGINE_LAYER_AXES = {
+    "ln1": ("norm",), "qkv_w": ("embed", "q_heads"), "qkv_b": ("q_heads",), "o_w": ("q_heads", "embed"),
+    "ln2": ("norm",), "gate_up_w": ("embed", "mlp"), "down_w": ("mlp", "embed"),
+}
+
+
+def _layer(lp: dict, x, cos, sin, attend, spec: DecodeSpec):
+    """The Qwen2 decoder layer on fused weights. x [B, T, D] -> (x, aux of `attend`)."""
+    b, t, _ = x.shape
+    n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    y = rms_norm(x, lp["ln1"], spec.rms_norm_eps)
+    qkv = jnp.dot(y, lp["qkv_w"]) + lp["qkv_b"]  # [B, T, (N + 2K) H]
+    q = qkv[..., : n * h].reshape(b, t, n, h)
+    kk = qkv[..., n * h: (n + k) * h].reshape(b, t, k, h)
+    v = qkv[..., (n + k) * h:].reshape(b, t, k, h)
+    out, aux = attend(apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v)
+    x = x + jnp.dot(out.reshape(b, t, n * h), lp["o_w"])
+    y = rms_norm(x, lp["ln2"], spec.rms_norm_eps)
+    gate, up = jnp.split(jnp.dot(y, lp["gate_up_w"]), 2, axis=-1)  # [B, T, F] each
+    x = x + jnp.dot(jax.nn.silu(gate) * up, lp["down_w"])
+    return x, aux
+
+
+def _final_logits(eparams, h, spec: DecodeSpec):
     """h [R, D] -> fp32 logits [R, V]."""
-    h = nnx.merge(gd.norm, eparams["norm"])(h)
+    h = rms_norm(h, eparams["norm"], spec.rms_norm_eps)
     return jnp.dot(h, eparams["head"], preferred_element_type=jnp.float32)
 
 
-def prefill(gd, eparams, ids, mask, *, spec: DecodeSpec, capacity: int):
-    """Runs the prompts and fills the first P slots of fresh KV caches.
+def alloc_caches(rows: int, capacity: int, spec: DecodeSpec, dtype):
+    """Zeroed KV caches: list of (k, v) [R, K, C, H]."""
+    shape = (rows, spec.num_kv_heads, capacity, spec.head_dim)
+    z = lambda: sharding.constrain(jnp.zeros(shape, dtype), ("batch", "act_kv_heads", None, None))
+    return [(z(), z()) for _ in range(spec.num_layers)]
+
+
+def prefill_into(eparams, caches, ids, mask, row0, *, spec: DecodeSpec, n: int, prompt_slots: int):
+    """Runs a sub-batch of prompts and writes its K/V into the shared caches.
+
+    Prompts of similar length are prefilled together at their own padded length Ps, then written
+    (repeated n times, one copy per response row) at rows [row0, row0 + B n) and slots
+    [prompt_slots - Ps, prompt_slots): the left-padded prompt region every row shares.
 
     Args:
-      ids: [B, P] left-padded prompt ids; mask: [B, P] 1 for real tokens.
-      capacity: C, total cache slots (P prompt slots + generation slots).
+      caches: list of (k, v) [R, K, C, H] (donated by the caller's jit).
+      ids: [B, Ps] left-padded prompt ids; mask: [B, Ps] 1 for real tokens; row0: int32 scalar.
     Returns:
-      caches: list of (k, v) [B, K, C, H]; logits of the last prompt token [B, V] fp32.
+      caches, and logits of each prompt's last token [B, V] fp32.
     """
-    b, p = ids.shape
+    b, ps = ids.shape
     positions = jnp.clip(jnp.cumsum(mask, axis=1) - 1, 0)
     cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta)
-    idx = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    idx = jnp.broadcast_to(jnp.arange(ps, dtype=jnp.int32), (b, ps))
     attn_mask = segment_mask(mask, mask, idx, idx)
-    x = _embed(eparams, ids)
-    caches = []
-    for lp in eparams["layers"]:
-        layer = nnx.merge(gd.layer, lp)
+    x = jnp.take(eparams["embed"], ids, axis=0)
+    new = []
+    for lp, (kc, vc) in zip(eparams["layers"], caches):
 
-        def attend(q, k, v):
+        def attend(q, k, v, kc=kc, vc=vc):
             out = dot_product_attention(q, k, v, mask=attn_mask, lengths=None, impl="xla")
-            pad = ((0, 0), (0, 0), (0, capacity - p), (0, 0))
-            kc = jnp.pad(k.transpose(0, 2, 1, 3), pad)  # [B, K, C, H]
-            vc = jnp.pad(v.transpose(0, 2, 1, 3), pad)
-            kc = sharding.constrain(kc, ("batch", "act_kv_heads", None, None))
-            vc = sharding.constrain(vc, ("batch", "act_kv_heads", None, None))
-            return out, (kc, vc)
+            k = jnp.repeat(k.transpose(0, 2, 1, 3), n, axis=0).astype(kc.dtype)  # [B n, K, Ps, H]
+            v = jnp.repeat(v.transpose(0, 2, 1, 3), n, axis=0).astype(vc.dtype)
+            at = (row0, 0, prompt_slots - ps, 0)
+            return out, (jax.lax.dynamic_update_slice(kc, k, at), jax.lax.dynamic_update_slice(vc, v, at))
 
-        x, kv = layer.forward(x, cos, sin, attend)
-        caches.append(kv)
-    return caches, _final_logits(gd, eparams, x[:, -1])
+        x, kv = _layer(lp, x, cos, sin, attend, spec)
+        new.append(kv)
+    return new, _final_logits(eparams, x[:, -1], spec)
 
 
 def _decode_attention(q, kc, vc, valid):
@@ -111,7 +158,7 @@ def _is_stop(tokens, stop_ids):
 
 
 def first_token(logits, key, prompt_lens, row_max, *, spec: DecodeSpec, n: int) -> dict[str, Any]:
-    """Samples token 0 of every response from the (repeated) prefill logits; builds the loop state.
+    """Samples token 0 of every response from the prompts' last logits [B, V]; builds the loop state.
 
     `row_max` [R] caps each response's length (<= spec.max_new_tokens)."""
     logits = jnp.repeat(logits, n, axis=0)  # [R, V]
@@ -126,7 +173,7 @@ def first_token(logits, key, prompt_lens, row_max, *, spec: DecodeSpec, n: int) 
                 t=jnp.asarray(1, jnp.int32), key=key, prompt_lens=jnp.repeat(prompt_lens, n), row_max=row_max)
 
 
-def decode_segment(gd, eparams, state, caches, prompt_mask, t_end, *, spec: DecodeSpec):
+def decode_segment(eparams, state, caches, prompt_mask, t_end, *, spec: DecodeSpec):
     """Decodes steps t in [state.t, t_end) or until every row has stopped.
 
     Step t feeds token t-1 (written to cache slot P + t - 1) and samples token t.
@@ -154,19 +201,19 @@ def decode_segment(gd, eparams, state, caches, prompt_mask, t_end, *, spec: Deco
         valid = jnp.concatenate([prompt_mask, jnp.broadcast_to(gen_valid, (prompt_mask.shape[0],
                                                                            capacity - p))], axis=1)
         slot = p + t - 1
-        x = _embed(eparams, tok_in[:, None])  # [R, 1, D]
+        x = jnp.take(eparams["embed"], tok_in[:, None], axis=0)  # [R, 1, D]
         new_cs = []
         for lp, (kc, vc) in zip(eparams["layers"], cs):
-            layer = nnx.merge(gd.layer, lp)
 
             def attend(q, k, v, kc=kc, vc=vc):
-                kc = jax.lax.dynamic_update_slice(kc, k.transpose(0, 2, 1, 3).astype(kc.dtype), (0, 0, slot, 0))
-                vc = jax.lax.dynamic_update_slice(vc, v.transpose(0, 2, 1, 3).astype(vc.dtype), (0, 0, slot, 0))
+                at = (0, 0, slot, 0)
+                kc = jax.lax.dynamic_update_slice(kc, k.transpose(0, 2, 1, 3).astype(kc.dtype), at)
+                vc = jax.lax.dynamic_update_slice(vc, v.transpose(0, 2, 1, 3).astype(vc.dtype), at)
                 return _decode_attention(q, kc, vc, valid), (kc, vc)
 
-            x, kv = layer.forward(x, cos, sin, attend)
+            x, kv = _layer(lp, x, cos, sin, attend, spec)
             new_cs.append(kv)
-        logits = _final_logits(gd, eparams, x[:, 0])  # [R, V]
+        logits = _final_logits(eparams, x[:, 0], spec)  # [R, V]
         tok = sample_next(logits, jax.random.fold_in(st["key"], t), temperature=spec.temperature,
                           top_k=spec.top_k, top_p=spec.top_p)
         logp = token_logprobs(logits, tok, temperature=spec.temperature)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -21,24 +20,15 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models.config import Qwen2Config
-from jaxrl_llm.models.hf_table import param_table
 from jaxrl_llm.models.params import param_shardings
-from jaxrl_llm.models.qwen2 import abstract_model
 from jaxrl_llm.rollout import decode
 from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams, check_prompts
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class _GraphDefs:
-    layer: nnx.GraphDef
-    norm: nnx.GraphDef
 
 
 def _round_up(x: int, m: int) -> int:
@@ -64,16 +54,15 @@ class JaxEngine:
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None,
                  dtype: str = "bfloat16", max_prompt_length: int = 1024, max_batch_size: int = 1024,
-                 prompt_bucket: int = 64, gen_bucket: int = 128):
+                 prompt_bucket: int = 32, gen_bucket: int = 128, prefill_batch: int = 64):
         self.cfg = cfg.replace(dtype=dtype, param_dtype=dtype, remat="none", attention_impl="xla")
         self.mesh = mesh
         self.max_prompt_length = max_prompt_length
         self.max_batch_size = max_batch_size
         self.prompt_bucket = prompt_bucket
         self.gen_bucket = gen_bucket
+        self.prefill_batch = prefill_batch
         self.version = 0
-        model = abstract_model(self.cfg)
-        self._gd = _GraphDefs(layer=nnx.split(model.model.layers)[0], norm=nnx.split(model.model.norm)[0])
         self._dp = sharding.data_parallel_size(mesh) if mesh is not None else 1
         self._shardings = self._engine_shardings()
         self._convert = jax.jit(self._to_engine, out_shardings=self._shardings)
@@ -84,35 +73,29 @@ class JaxEngine:
     # ---- weights -------------------------------------------------------------------------------
     def _engine_shardings(self):
         cfg, mesh = self.cfg, self.mesh
+        shapes = jax.eval_shape(lambda layer: decode.engine_layer(layer, jnp.dtype(cfg.dtype)), _abstract_layer(cfg))
 
         def sh(axes, shape):
             if mesh is None:
                 return SingleDeviceSharding(jax.devices()[0])
             return sharding.named_sharding(mesh, axes, shape, rules=sharding.ENGINE_RULES)
 
-        layer: dict = {}
-        for row in param_table(cfg):
-            if row.stacked:
-                node = layer
-                for key in row.path[2:-1]:
-                    node = node.setdefault(key, {})
-                node[row.path[-1]] = sh(row.axes[1:], row.shape(cfg)[1:])
+        layer = {k: sh(decode.ENGINE_LAYER_AXES[k], v.shape) for k, v in shapes.items()}
         return {
             "embed": sh(("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size)),
             "layers": [layer] * cfg.num_hidden_layers,
-            "norm": {"weight": sh(("norm",), (cfg.hidden_size,))},
+            "norm": sh(("norm",), (cfg.hidden_size,)),
             "head": sh(("embed", "vocab"), (cfg.hidden_size, cfg.vocab_size)),
         }
 
     def _to_engine(self, params):
         dt = jnp.dtype(self.cfg.dtype)
         m = params["model"]
-        layers = [jax.tree.map(lambda x, i=i: x[i].astype(dt), m["layers"])
+        layers = [decode.engine_layer(jax.tree.map(lambda x, i=i: x[i], m["layers"]), dt)
                   for i in range(self.cfg.num_hidden_layers)]
         embed = m["embed_tokens"]["embedding"].astype(dt)
         head = embed.T if self.cfg.tie_word_embeddings else params["lm_head"]["kernel"].astype(dt)
-        return {"embed": embed, "layers": layers, "norm": {"weight": m["norm"]["weight"].astype(dt)},
-                "head": head}
+        return {"embed": embed, "layers": layers, "norm": m["norm"]["weight"].astype(dt), "head": head}
 
     def update_weights(self, params, *, step: int | None = None) -> int:
         """Casts and reshards trainer params into the engine layout, in device memory."""
@@ -139,22 +122,29 @@ class JaxEngine:
     def _spec(self, sampling: SamplingParams) -> decode.DecodeSpec:
         stops = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.cfg.eos_token_ids)
         return decode.DecodeSpec(
-            num_layers=self.cfg.num_hidden_layers, num_kv_heads=self.cfg.num_key_value_heads,
-            head_dim=self.cfg.head_dim, rope_theta=self.cfg.rope_theta, temperature=float(sampling.temperature),
+            num_layers=self.cfg.num_hidden_layers, num_heads=self.cfg.num_attention_heads,
+            num_kv_heads=self.cfg.num_key_value_heads, head_dim=self.cfg.head_dim, rope_theta=self.cfg.rope_theta,
+            rms_norm_eps=self.cfg.rms_norm_eps, temperature=float(sampling.temperature),
             top_k=max(0, int(sampling.top_k)), top_p=float(sampling.top_p), stop_ids=tuple(sorted(set(stops))),
             pad_id=self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0,
             max_new_tokens=int(sampling.max_new_tokens))
 
-    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "capacity", "n"))
-    def _prefill(self, eparams, ids, mask, row_max, key, *, spec, capacity, n):
-        caches, logits = decode.prefill(self._gd, eparams, ids, mask, spec=spec, capacity=capacity)
-        caches = [(jnp.repeat(k, n, axis=0), jnp.repeat(v, n, axis=0)) for k, v in caches]
-        state = decode.first_token(logits, key, jnp.sum(mask, axis=1), row_max, spec=spec, n=n)
-        return state, caches
+    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("rows", "capacity", "spec"))
+    def _alloc(self, *, rows, capacity, spec):
+        return decode.alloc_caches(rows, capacity, spec, jnp.dtype(self.cfg.dtype))
+
+    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "n", "prompt_slots"),
+                       donate_argnums=(2,))
+    def _prefill(self, eparams, caches, ids, mask, row0, *, spec, n, prompt_slots):
+        return decode.prefill_into(eparams, caches, ids, mask, row0, spec=spec, n=n, prompt_slots=prompt_slots)
+
+    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "n"))
+    def _first(self, logits, key, prompt_lens, row_max, *, spec, n):
+        return decode.first_token(logits, key, prompt_lens, row_max, spec=spec, n=n)
 
     @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2, 3))
     def _decode(self, eparams, state, caches, prompt_mask, t_end, *, spec):
-        return decode.decode_segment(self._gd, eparams, state, caches, prompt_mask, t_end, spec=spec)
+        return decode.decode_segment(eparams, state, caches, prompt_mask, t_end, spec=spec)
 
     @functools.partial(jax.jit, static_argnums=(0, 2))
     def _grow(self, caches, capacity):
@@ -201,24 +191,39 @@ class JaxEngine:
                             weight_version=self.version)
 
     def _generate_chunk(self, prompts, spec, n, key, row_max):
+        """Prompts sorted longest first -> (tokens, logps, lengths) of their len(prompts) * n rows."""
         b = len(prompts)
         bp = _round_up(_next_pow2(b), self._dp) if b > 1 else self._dp
-        p = _round_up(max(len(x) for x in prompts), self.prompt_bucket)
-        ids = np.full((bp, p), spec.pad_id, np.int32)
-        mask = np.zeros((bp, p), np.int32)
-        for i in range(bp):
-            src = prompts[i] if i < b else prompts[0]  # filler rows keep shapes bucketed; dropped below
-            ids[i, p - len(src):] = src
-            mask[i, p - len(src):] = 1
+        # Filler rows keep the batch bucketed; they copy the shortest prompt and are dropped below.
+        rows = list(prompts) + [prompts[-1]] * (bp - b)
+        lens = np.asarray([len(x) for x in rows], np.int32)
+        slots = _round_up(int(lens.max()), self.prompt_bucket)
+        # Prefill in sub-batches of similar length, each at its own padded length (with several
+        # data-parallel devices, in one batch: a dynamic row offset would cross shards).
+        sub = bp if self._dp > 1 else min(bp, self.prefill_batch)
         cap = min(_next_pow2(spec.max_new_tokens), self.gen_bucket)
         rmax = np.full(bp * n, 1, np.int32)
         rmax[: b * n] = row_max
+        prompt_mask = np.arange(slots)[None, :] >= (slots - np.repeat(lens, n))[:, None]  # [R, P]
         with self._mesh_ctx():
-            ids_d = jax.device_put(ids, self._batch_sharding(2))
-            mask_d = jax.device_put(mask, self._batch_sharding(2))
-            rmax_d = jax.device_put(rmax, self._batch_sharding(1))
-            state, caches = self._prefill(self.params, ids_d, mask_d, rmax_d, key, spec=spec, capacity=p + cap, n=n)
-            prompt_mask = jnp.repeat(mask_d.astype(bool), n, axis=0)
+            caches = self._alloc(rows=bp * n, capacity=slots + cap, spec=spec)
+            logits = []
+            for s0 in range(0, bp, sub):
+                group = rows[s0:s0 + sub]
+                ps = _round_up(max(len(x) for x in group), self.prompt_bucket)
+                ids = np.full((len(group), ps), spec.pad_id, np.int32)
+                mask = np.zeros((len(group), ps), np.int32)
+                for i, src in enumerate(group):
+                    ids[i, ps - len(src):] = src
+                    mask[i, ps - len(src):] = 1
+                caches, lg = self._prefill(self.params, caches, jax.device_put(ids, self._batch_sharding(2)),
+                                           jax.device_put(mask, self._batch_sharding(2)), np.int32(s0 * n),
+                                           spec=spec, n=n, prompt_slots=slots)
+                logits.append(lg)
+            logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
+            state = self._first(logits, key, jax.device_put(lens, self._batch_sharding(1)),
+                                jax.device_put(rmax, self._batch_sharding(1)), spec=spec, n=n)
+            prompt_mask = jax.device_put(prompt_mask, self._batch_sharding(2))
             while True:
                 t_end = min(cap + 1, spec.max_new_tokens)
                 state, caches = self._decode(self.params, state, caches, prompt_mask,
@@ -227,10 +232,18 @@ class JaxEngine:
                 if all_done or t >= spec.max_new_tokens:
                     break
                 cap = min(2 * cap, _next_pow2(spec.max_new_tokens))
-                caches = self._grow(caches, p + cap)
+                caches = self._grow(caches, slots + cap)
             out = jax.device_get((state["tokens"], state["logps"], state["lengths"]))
-        rows = b * n
-        return out[0][:rows], out[1][:rows], out[2][:rows]
+        return out[0][: b * n], out[1][: b * n], out[2][: b * n]
+
+
+def _abstract_layer(cfg: Qwen2Config) -> dict:
+    """ShapeDtypeStructs of one unstacked trainer layer in the engine dtype."""
+    from jaxrl_llm.models.params import graphdef_and_abstract_params
+
+    _, abstract = graphdef_and_abstract_params(cfg)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], jnp.dtype(cfg.dtype)),
+                        abstract["model"]["layers"])
 
 
 class _null_ctx:

@@ -124,8 +124,8 @@ def test_sharded_engine_matches_single_device(hf_and_model, engine):
     sharded = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", mesh=mesh, prompt_bucket=8)
     sp = SamplingParams(temperature=0.0, max_new_tokens=10, n=2)
     np.testing.assert_array_equal(sharded.generate(PROMPTS, sp).tokens, engine.generate(PROMPTS, sp).tokens)
-    layer = sharded.params["layers"][0]["self_attn"]["q_proj"]["kernel"]
-    assert layer.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")  # replicated over fsdp
+    qkv = sharded.params["layers"][0]["qkv_w"]  # fused [D, (N + 2K) H]
+    assert qkv.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")  # replicated over fsdp
 
 
 def test_update_weights_changes_output_and_version(hf_and_model, engine):
