@@ -347,14 +347,16 @@ def train(presets, small: bool, remat_list):
             worker = params = None  # free the device memory before the next model
 
 
-def e2e(presets, small: bool, steps: int = 3):
+def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1):
     from jaxrl_llm.trainer.loop import RLTrainer
 
     for preset in presets:
-        n_prompts, n = (8, 2) if small else (128, 5)
+        # The seed run's per-GPU share (128 prompts x 5) times the devices in the mesh.
+        n_dev = jax.device_count() if fsdp == -1 else fsdp
+        n_prompts, n = (8 * n_dev, 2) if small else (128 * n_dev, 5)
         run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else 32768,
                        remat="full", small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
-                       run_dir=tempfile.mkdtemp())
+                       run_dir=tempfile.mkdtemp(), fsdp=fsdp)
         trainer = RLTrainer(run)
         engine = trainer.worker.obj.engine
         generate = engine.generate
@@ -371,7 +373,7 @@ def e2e(presets, small: bool, steps: int = 3):
             wall = time.perf_counter() - t0
             keep = {k: v for k, v in m.items() if k.startswith(("timing_s/", "perf/")) or k in (
                 "response_length/mean", "response_length/max", "prompt_length/mean", "actor/grad_norm")}
-            emit(section="e2e", preset=preset, step=step, wall_s=wall, prompts=n_prompts, n=n, **keep)
+            emit(section="e2e", preset=preset, step=step, devices=n_dev, wall_s=wall, prompts=n_prompts, n=n, **keep)
 
 
 def sync(presets, small: bool):
@@ -452,6 +454,8 @@ def main() -> None:
     ap.add_argument("--torch_results", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     ap.add_argument("--small", action="store_true", help="tiny shapes, to smoke-test on a CPU")
+    ap.add_argument("--fsdp", type=int, default=-1, help="e2e mesh: fsdp size (-1: all devices)")
+    ap.add_argument("--steps", type=int, default=3, help="e2e steps")
     args = ap.parse_args()
     sections = {"ceilings", "attention", "parity", "logprob", "rollout", "train", "e2e", "sync"} \
         if args.sections == "all" \
@@ -485,7 +489,7 @@ def main() -> None:
     run("logprob", logprob, args.small)
     run("rollout", rollout, presets, batches, args.small)
     run("train", train, train_presets, args.small, args.remat.split(","))
-    run("e2e", e2e, train_presets, args.small)
+    run("e2e", e2e, train_presets, args.small, args.steps, args.fsdp)
     run("sync", sync, presets, args.small)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(markdown(RESULTS, meta))

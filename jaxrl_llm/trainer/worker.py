@@ -55,6 +55,24 @@ def model_config(run: RunConfig) -> Qwen2Config:
     return Qwen2Config.from_hf(resolve_model_path(m.path), **numerics)
 
 
+def opt_state_shardings(tx, params, param_sh, mesh):
+    """Shardings for `tx.init(params)`: a leaf that mirrors a param (Adam's mu and nu) takes that
+    param's sharding, found by the key path the two share; anything else (counts) is replicated.
+    Without this, jit places the state's zeros on one device."""
+    by_path = {jax.tree_util.keystr(p): (x.shape, sh) for (p, x), sh in
+               zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_sh))}
+    rep = sharding.replicated(mesh)
+
+    def pick(path, leaf):
+        key = jax.tree_util.keystr(path)
+        for suffix, (shape, sh) in by_path.items():
+            if key.endswith(suffix) and leaf.shape == shape:
+                return sh
+        return rep
+
+    return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, params))
+
+
 class TrainerWorker:
     """Owns the device state of a run. `total_steps` sizes the LR schedule."""
 
@@ -122,9 +140,9 @@ class TrainerWorker:
         return {"model": lm["model"], "score": score}
 
     def _init_state(self, params, tx, param_sh):
-        opt_state = jax.jit(tx.init)(params)
-        return {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32),
-                "skipped": jnp.zeros((), jnp.int32)}
+        opt_state = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, param_sh, self.mesh))(params)
+        scalar = lambda: jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated(self.mesh))
+        return {"params": params, "opt_state": opt_state, "step": scalar(), "skipped": scalar()}
 
     def _make_ref(self, params):
         """The frozen reference policy in the compute dtype; on the host when `ref_offload`."""
