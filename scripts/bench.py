@@ -237,7 +237,8 @@ def rollout(presets, batches, small: bool, new_tokens: int = 232):
 
 
 def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat: str, fsdp: int = -1,
-             max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run"):
+             max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run",
+             max_batch: int = 4096):
     from jaxrl_llm.trainer import config as C
 
     d = data_dir()
@@ -248,7 +249,7 @@ def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat
                             overrides={"vocab_size": 151936} if small else None),
         data=C.DataConfig(source="files", train_files=(os.path.join(d, "gsm8k_test.jsonl"),),
                           train_batch_size=prompts, max_prompt_length=max_prompt, max_response_length=max_response),
-        rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=4096),
+        rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=max_batch),
         actor=C.ActorConfig(lr=1e-6, ppo_mini_batch_size=mini, ppo_max_token_len_per_gpu=budget, use_kl_loss=True,
                             kl_loss_coef=0.001, kl_loss_type="low_var_kl"),
         critic=C.CriticConfig(), algo=C.AlgoConfig(adv_estimator="grpo"), reward=C.RewardConfig(),
@@ -356,7 +357,10 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1):
         n_prompts, n = (8 * n_dev, 2) if small else (128 * n_dev, 5)
         run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else 32768,
                        remat="full", small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
-                       run_dir=tempfile.mkdtemp(), fsdp=fsdp)
+                       run_dir=tempfile.mkdtemp(), fsdp=fsdp,
+                       # 7B: decode 320 rows a GPU at a time, so the KV cache (57 KB a token) fits beside
+                       # the replicated engine weights and the sharded optimizer state.
+                       max_batch=320 * n_dev if preset == "qwen2p5_7b" else 4096)
         trainer = RLTrainer(run)
         engine = trainer.worker.obj.engine
         generate = engine.generate
