@@ -203,8 +203,7 @@ def rollout(presets, batches, small: bool, new_tokens: int = 232):
         cfg = _preset(preset, small, dtype="bfloat16", param_dtype="bfloat16")
         params = _random_params(cfg)
         for batch in batches:
-            eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=batch, max_prompt_length=512,
-                            gen_bucket=256)
+            eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=batch, max_prompt_length=512)
             prompts = gsm8k_prompts(batch)
             sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
             t0 = time.perf_counter()
@@ -358,9 +357,7 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1):
         run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else 32768,
                        remat="full", small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
                        run_dir=tempfile.mkdtemp(), fsdp=fsdp,
-                       # 7B: decode 320 rows a GPU at a time, so the KV cache (57 KB a token) fits beside
-                       # the replicated engine weights and the sharded optimizer state.
-                       max_batch=320 * n_dev if preset == "qwen2p5_7b" else 4096)
+                       max_batch=4096 * n_dev)
         trainer = RLTrainer(run)
         engine = trainer.worker.obj.engine
         generate = engine.generate

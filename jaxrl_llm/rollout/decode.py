@@ -157,20 +157,31 @@ def _is_stop(tokens, stop_ids):
     return jnp.any(tokens[:, None] == jnp.asarray(stop_ids, jnp.int32)[None, :], axis=-1)
 
 
-def first_token(logits, key, prompt_lens, row_max, *, spec: DecodeSpec, n: int) -> dict[str, Any]:
+def _sample(logits, row_keys, t, spec: DecodeSpec):
+    """One token per row; row r draws from fold_in(row_keys[r], t), so a response's samples depend on
+    (seed, response index, step) alone, not on which other rows share its batch."""
+    keys = jax.vmap(jax.random.fold_in, (0, None))(row_keys, t)
+    draw = lambda k, lg: sample_next(lg[None], k, temperature=spec.temperature, top_k=spec.top_k,
+                                     top_p=spec.top_p)[0]
+    return jax.vmap(draw)(keys, logits)
+
+
+def first_token(logits, key, prompt_lens, row_max, row_ids, *, spec: DecodeSpec, n: int) -> dict[str, Any]:
     """Samples token 0 of every response from the prompts' last logits [B, V]; builds the loop state.
 
-    `row_max` [R] caps each response's length (<= spec.max_new_tokens)."""
+    `row_max` [R] caps each response's length (<= spec.max_new_tokens); `row_ids` [R] are the
+    responses' indices in the whole request (they seed each row's random stream)."""
     logits = jnp.repeat(logits, n, axis=0)  # [R, V]
     r = logits.shape[0]
-    tok = sample_next(logits, jax.random.fold_in(key, 0), temperature=spec.temperature,
-                      top_k=spec.top_k, top_p=spec.top_p)
+    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, row_ids)
+    tok = _sample(logits, row_keys, 0, spec)
     logp = token_logprobs(logits, tok, temperature=spec.temperature)
     tokens = jnp.full((r, spec.max_new_tokens), spec.pad_id, jnp.int32).at[:, 0].set(tok)
     logps = jnp.zeros((r, spec.max_new_tokens), jnp.float32).at[:, 0].set(logp)
     done = _is_stop(tok, spec.stop_ids) | (row_max <= 1)
     return dict(tokens=tokens, logps=logps, done=done, lengths=jnp.ones((r,), jnp.int32),
-                t=jnp.asarray(1, jnp.int32), key=key, prompt_lens=jnp.repeat(prompt_lens, n), row_max=row_max)
+                t=jnp.asarray(1, jnp.int32), row_keys=row_keys, prompt_lens=jnp.repeat(prompt_lens, n),
+                row_max=row_max)
 
 
 def decode_segment(eparams, state, caches, prompt_mask, t_end, *, spec: DecodeSpec):
@@ -214,8 +225,7 @@ def decode_segment(eparams, state, caches, prompt_mask, t_end, *, spec: DecodeSp
             x, kv = _layer(lp, x, cos, sin, attend, spec)
             new_cs.append(kv)
         logits = _final_logits(eparams, x[:, 0], spec)  # [R, V]
-        tok = sample_next(logits, jax.random.fold_in(st["key"], t), temperature=spec.temperature,
-                          top_k=spec.top_k, top_p=spec.top_p)
+        tok = _sample(logits, st["row_keys"], t, spec)
         logp = token_logprobs(logits, tok, temperature=spec.temperature)
         was_done = st["done"]
         tok = jnp.where(was_done, spec.pad_id, tok)
@@ -236,3 +246,18 @@ def grow_caches(caches, new_capacity: int):
         pad = ((0, 0), (0, 0), (0, new_capacity - kc.shape[2]), (0, 0))
         out.append((jnp.pad(kc, pad), jnp.pad(vc, pad)))
     return out
+
+
+def compact(state, caches, prompt_mask, sel, filler, capacity: int):
+    """Keeps rows `sel` [R'] of the running batch and grows the caches to `capacity`.
+
+    Rows where `filler` is True pad the batch to its bucket; they are marked done.
+    """
+    rows = state["done"].shape[0]
+    take = lambda x: jnp.take(x, sel, axis=0)
+    state = {k: (take(v) if v.ndim and v.shape[0] == rows else v) for k, v in state.items()}
+    state["done"] = state["done"] | filler
+    caches = grow_caches([(take(k), take(v)) for k, v in caches], capacity)
+    caches = [(sharding.constrain(k, ("batch", "act_kv_heads", None, None)),
+               sharding.constrain(v, ("batch", "act_kv_heads", None, None))) for k, v in caches]
+    return state, caches, take(prompt_mask)

@@ -139,8 +139,8 @@ class JaxEngine:
         return decode.prefill_into(eparams, caches, ids, mask, row0, spec=spec, n=n, prompt_slots=prompt_slots)
 
     @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "n"))
-    def _first(self, logits, key, prompt_lens, row_max, *, spec, n):
-        return decode.first_token(logits, key, prompt_lens, row_max, spec=spec, n=n)
+    def _first(self, logits, key, prompt_lens, row_max, row_ids, *, spec, n):
+        return decode.first_token(logits, key, prompt_lens, row_max, row_ids, spec=spec, n=n)
 
     @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2, 3))
     def _decode(self, eparams, state, caches, prompt_mask, t_end, *, spec):
@@ -149,6 +149,10 @@ class JaxEngine:
     @functools.partial(jax.jit, static_argnums=(0, 2))
     def _grow(self, caches, capacity):
         return decode.grow_caches(caches, capacity)
+
+    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("capacity",))
+    def _compact(self, state, caches, prompt_mask, sel, filler, *, capacity):
+        return decode.compact(state, caches, prompt_mask, sel, filler, capacity)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                  max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
@@ -175,11 +179,10 @@ class JaxEngine:
                 raise RolloutError(f"max_new_tokens_per_row has {row_max.size} values; need len(prompts) * n = "
                                    f"{len(prompts) * n}")
         key = jax.random.key(sampling.seed)
-        for c, start in enumerate(range(0, len(order), per_chunk)):
+        for start in range(0, len(order), per_chunk):
             chunk = order[start:start + per_chunk]
             rows = (np.asarray(chunk)[:, None] * n + np.arange(n)[None, :]).reshape(-1)
-            out = self._generate_chunk([prompts[i] for i in chunk], spec, n, jax.random.fold_in(key, c),
-                                       row_max[rows])
+            out = self._generate_chunk([prompts[i] for i in chunk], spec, n, key, row_max[rows], rows)
             tokens[rows], logps[rows], lengths[rows] = out
         width = int(lengths.max())
         tokens, logps = tokens[:, :width], logps[:, :width]
@@ -190,7 +193,7 @@ class JaxEngine:
                             logprobs=logps, lengths=lengths, finish_reasons=reasons,
                             weight_version=self.version)
 
-    def _generate_chunk(self, prompts, spec, n, key, row_max):
+    def _generate_chunk(self, prompts, spec, n, key, row_max, row_ids):
         """Prompts sorted longest first -> (tokens, logps, lengths) of their len(prompts) * n rows."""
         b = len(prompts)
         bp = _round_up(_next_pow2(b), self._dp) if b > 1 else self._dp
@@ -204,6 +207,8 @@ class JaxEngine:
         cap = min(_next_pow2(spec.max_new_tokens), self.gen_bucket)
         rmax = np.full(bp * n, 1, np.int32)
         rmax[: b * n] = row_max
+        ids_all = np.full(bp * n, -1, np.int32)
+        ids_all[: b * n] = row_ids
         prompt_mask = np.arange(slots)[None, :] >= (slots - np.repeat(lens, n))[:, None]  # [R, P]
         with self._mesh_ctx():
             caches = self._alloc(rows=bp * n, capacity=slots + cap, spec=spec)
@@ -222,19 +227,43 @@ class JaxEngine:
                 logits.append(lg)
             logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
             state = self._first(logits, key, jax.device_put(lens, self._batch_sharding(1)),
-                                jax.device_put(rmax, self._batch_sharding(1)), spec=spec, n=n)
+                                jax.device_put(rmax, self._batch_sharding(1)),
+                                jax.device_put(ids_all, self._batch_sharding(1)), spec=spec, n=n)
             prompt_mask = jax.device_put(prompt_mask, self._batch_sharding(2))
+            # Rows of the running batch -> rows of this chunk; outputs land in host arrays as rows leave.
+            index = np.arange(bp * n)
+            tokens = np.full((bp * n, spec.max_new_tokens), spec.pad_id, np.int32)
+            logps = np.zeros((bp * n, spec.max_new_tokens), np.float32)
+            lengths = np.zeros(bp * n, np.int32)
+
+            def collect(rows):
+                tok, lp, ln = jax.device_get((state["tokens"], state["logps"], state["lengths"]))
+                tokens[index[:rows]], logps[index[:rows]], lengths[index[:rows]] = tok[:rows], lp[:rows], ln[:rows]
+
+            live = bp * n
             while True:
                 t_end = min(cap + 1, spec.max_new_tokens)
                 state, caches = self._decode(self.params, state, caches, prompt_mask,
                                              jnp.asarray(t_end, jnp.int32), spec=spec)
-                t, all_done = jax.device_get((state["t"], jnp.all(state["done"])))
-                if all_done or t >= spec.max_new_tokens:
+                t, done = jax.device_get((state["t"], state["done"]))
+                if done.all() or t >= spec.max_new_tokens:
                     break
                 cap = min(2 * cap, _next_pow2(spec.max_new_tokens))
-                caches = self._grow(caches, slots + cap)
-            out = jax.device_get((state["tokens"], state["logps"], state["lengths"]))
-        return out[0][: b * n], out[1][: b * n], out[2][: b * n]
+                active = np.nonzero(~done[:live])[0]
+                rows = _round_up(_next_pow2(len(active)), self._dp)
+                if rows <= done.shape[0] // 2:
+                    # Most rows have stopped: keep only the live ones (a power-of-two bucket), so the
+                    # rest of the decode reads their KV cache alone; done in the same copy as the growth.
+                    collect(live)
+                    sel = np.concatenate([active, np.repeat(active[:1], rows - len(active))]).astype(np.int32)
+                    filler = np.arange(rows) >= len(active)
+                    state, caches, prompt_mask = self._compact(state, caches, prompt_mask, sel, filler,
+                                                               capacity=slots + cap)
+                    index, live = index[active], len(active)
+                else:
+                    caches = self._grow(caches, slots + cap)
+            collect(live)
+        return tokens[: b * n], logps[: b * n], lengths[: b * n]
 
 
 def _abstract_layer(cfg: Qwen2Config) -> dict:

@@ -168,7 +168,23 @@ def test_per_row_budgets_cap_each_response(engine):
     np.testing.assert_array_equal(out.lengths, caps)
     assert all(r == "length" for r in out.finish_reasons)
     full = engine.generate(PROMPTS, sp)
-    for r, cap in enumerate(caps):  # same seed: the capped rows are prefixes of the uncapped ones
+    for r, cap in enumerate(caps):  # each row has its own random stream: capped rows are prefixes
         assert out.response_ids(r) == full.response_ids(r)[:cap]
     with pytest.raises(RolloutError, match="need len"):
         engine.generate(PROMPTS, sp, max_new_tokens_per_row=[3, 4])
+
+
+def test_compacting_finished_rows_keeps_outputs(hf_and_model):
+    """Rows that stop early leave the running batch; every response still comes back whole, and
+    (per-row random streams) sampled exactly as without compaction or chunking."""
+    _, model = hf_and_model
+    params = split_model(model)[1]
+    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=4)
+    caps = [20, 2, 2, 2, 2, 2, 2, 2, 3, 2, 2, 2, 2, 2, 2, 17]  # 2 long rows: the batch shrinks to 2
+    small = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=2)
+    big = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=32, max_batch_size=4)  # no compaction
+    a = small.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
+    b = big.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
+    np.testing.assert_array_equal(a.lengths, caps)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
