@@ -11,7 +11,6 @@ import logging
 import math
 from collections.abc import Sequence
 
-import gin
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -52,10 +51,14 @@ class MeshError(ValueError):
     """A mesh shape that the devices cannot form."""
 
 
-@gin.configurable
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh; one size may be -1 to take the remaining devices."""
+    """A ("data", "fsdp", "tensor") mesh; one size may be -1 to take the remaining devices.
+
+    Not a gin configurable: runs set the mesh with `train.mesh_data/fsdp/tensor`, which the trainer
+    passes explicitly (so a `make_mesh.*` binding was a silent no-op), and gin would append a second
+    line to a MeshError's message.
+    """
     devices = list(devices) if devices is not None else jax.devices()
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1:
@@ -64,7 +67,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
     if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
         raise MeshError(
             f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}) does not fit {len(devices)} device(s); "
-            f"the product of the sizes must divide the device count")
+            "the product of the sizes must divide the device count (gin: train.mesh_data, train.mesh_fsdp, "
+            "train.mesh_tensor; -1 takes the remaining devices)")
     sizes = [len(devices) // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != len(devices):
         devices = devices[: math.prod(sizes)]

@@ -125,10 +125,11 @@ class PromptDataset:
             })
         self._log_summary(first)
         if not self._items:
-            raise DataError(f"the dataset is empty after filtering: {self.num_rows_read} rows read, "
-                            f"{self.num_filtered_empty} empty, {self.num_filtered_ground_truth} with a "
+            raise DataError(f"{', '.join(self.files)}: the dataset is empty after filtering: {self.num_rows_read} "
+                            f"rows read, {self.num_filtered_empty} empty, {self.num_filtered_ground_truth} with a "
                             f"non-numeric gsm8k ground truth, {self.num_filtered_overlong} longer than "
-                            f"{max_prompt_length} tokens; check the files and max_prompt_length")
+                            f"{max_prompt_length} tokens; check the files, or raise max_prompt_length (gin: "
+                            "data.max_prompt_length)")
 
     @staticmethod
     def _template(tokenizer, row: SourceRow, messages: list[dict]) -> str:

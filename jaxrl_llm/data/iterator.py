@@ -38,8 +38,11 @@ class PromptIterator:
             raise DataError(f"PromptIterator: batch_size={batch_size!r}; use a positive int")
         n = len(dataset)
         if n == 0 or (drop_last and n < batch_size):
+            files = getattr(dataset, "files", None)  # a PromptDataset's; names the data in the error
+            where = f" (the prompts left from {', '.join(files)} after filtering)" if files else ""
             raise DataError(f"PromptIterator: the dataset has {n} prompts, fewer than one batch of "
-                            f"{batch_size}; lower the batch size or use more data")
+                            f"{batch_size}{where}; lower the batch size (gin: data.train_batch_size) or use "
+                            "more data")
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = int(seed)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from typing import Any
 
 import gin
+import jax.numpy as jnp
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2ForTokenClassification")
 
@@ -66,6 +68,14 @@ class Qwen2Config:
             raise ConfigError(f"remat={self.remat!r}; expected 'none', 'full' or 'dots'")
         if self.attention_impl not in ("auto", "xla", "cudnn"):
             raise ConfigError(f"attention_impl={self.attention_impl!r}; expected 'auto', 'xla' or 'cudnn'")
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            try:
+                ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ConfigError(f"{name}={value!r} is not a floating-point dtype; use 'float32' or 'bfloat16'")
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -97,7 +107,16 @@ class Qwen2Config:
         return total
 
     def replace(self, **changes: Any) -> Qwen2Config:
+        _check_field_names(changes, "Qwen2Config.replace")
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def _make(cls, where: str, *parts: dict[str, Any]) -> Qwen2Config:
+        """`cls(**merged parts)` (later parts win); a field name that Qwen2Config does not have is one
+        `ConfigError` naming it (and `where`), not a TypeError from `__init__`."""
+        fields = {k: v for part in parts for k, v in part.items()}
+        _check_field_names(fields, where)
+        return cls(**fields)
 
     # ---- HF config.json ------------------------------------------------------------------------
     @classmethod
@@ -133,6 +152,10 @@ class Qwen2Config:
         theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{where}: hidden_act={raw['hidden_act']!r}; Qwen2 uses 'silu'")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if raw.get(k) is None]
+        if missing:
+            raise ConfigError(f"{where}: missing field(s) {missing}; a Qwen2 config.json needs {list(required)}")
         fields = dict(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -150,11 +173,8 @@ class Qwen2Config:
             eos_token_id=raw.get("eos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
         )
-        missing = [k for k in ("vocab_size", "hidden_size") if fields[k] is None]
-        if missing:
-            raise ConfigError(f"{where}: missing field(s) {missing}")
         fields.update(overrides)
-        return cls(**fields)
+        return cls._make(where, fields, overrides)
 
     def to_hf(self, *, architecture: str = "Qwen2ForCausalLM") -> dict:
         """The config.json dict that transformers and vLLM read."""
@@ -195,49 +215,47 @@ class Qwen2Config:
     # ---- presets (HF's exact shapes) -----------------------------------------------------------
     @classmethod
     def qwen2p5_0p5b(cls, **kw) -> Qwen2Config:
-        return cls(**{**_QWEN2P5_COMMON, **dict(hidden_size=896, intermediate_size=4864,
-                                                 num_hidden_layers=24, num_attention_heads=14,
-                                                 num_key_value_heads=2, tie_word_embeddings=True), **kw})
+        return cls._make("preset 'qwen2p5_0p5b'", _QWEN2P5_COMMON, dict(
+            hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, tie_word_embeddings=True), kw)
 
     @classmethod
     def qwen2p5_1p5b(cls, **kw) -> Qwen2Config:
-        return cls(**{**_QWEN2P5_COMMON, **dict(hidden_size=1536, intermediate_size=8960,
-                                                 num_hidden_layers=28, num_attention_heads=12,
-                                                 num_key_value_heads=2, tie_word_embeddings=True), **kw})
+        return cls._make("preset 'qwen2p5_1p5b'", _QWEN2P5_COMMON, dict(
+            hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+            num_key_value_heads=2, tie_word_embeddings=True), kw)
 
     @classmethod
     def qwen2p5_3b(cls, **kw) -> Qwen2Config:
-        return cls(**{**_QWEN2P5_COMMON, **dict(hidden_size=2048, intermediate_size=11008,
-                                                 num_hidden_layers=36, num_attention_heads=16,
-                                                 num_key_value_heads=2, tie_word_embeddings=True), **kw})
+        return cls._make("preset 'qwen2p5_3b'", _QWEN2P5_COMMON, dict(
+            hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+            num_key_value_heads=2, tie_word_embeddings=True), kw)
 
     @classmethod
     def qwen2p5_7b(cls, **kw) -> Qwen2Config:
-        return cls(**{**_QWEN2P5_COMMON, **dict(vocab_size=152064, hidden_size=3584,
-                                                 intermediate_size=18944, num_hidden_layers=28,
-                                                 num_attention_heads=28, num_key_value_heads=4,
-                                                 tie_word_embeddings=False), **kw})
+        return cls._make("preset 'qwen2p5_7b'", _QWEN2P5_COMMON, dict(
+            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+            num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False), kw)
 
     @classmethod
     def qwen2p5_14b(cls, **kw) -> Qwen2Config:
-        return cls(**{**_QWEN2P5_COMMON, **dict(vocab_size=152064, hidden_size=5120,
-                                                 intermediate_size=13824, num_hidden_layers=48,
-                                                 num_attention_heads=40, num_key_value_heads=8,
-                                                 rms_norm_eps=1e-5, tie_word_embeddings=False), **kw})
+        return cls._make("preset 'qwen2p5_14b'", _QWEN2P5_COMMON, dict(
+            vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+            num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5, tie_word_embeddings=False), kw)
 
     @classmethod
     def qwen2p5_32b(cls, **kw) -> Qwen2Config:
-        return cls(**{**_QWEN2P5_COMMON, **dict(vocab_size=152064, hidden_size=5120,
-                                                 intermediate_size=27648, num_hidden_layers=64,
-                                                 num_attention_heads=40, num_key_value_heads=8,
-                                                 rms_norm_eps=1e-5, tie_word_embeddings=False), **kw})
+        return cls._make("preset 'qwen2p5_32b'", _QWEN2P5_COMMON, dict(
+            vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+            num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5, tie_word_embeddings=False), kw)
 
     @classmethod
     def qwen2_7b(cls, **kw) -> Qwen2Config:
-        return cls(**{**dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                             num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                             max_position_embeddings=131072, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                             tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643), **kw})
+        return cls._make("preset 'qwen2_7b'", dict(
+            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
+            rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643,
+            eos_token_id=151643), kw)
 
     @classmethod
     def tiny(cls, **kw) -> Qwen2Config:
@@ -246,7 +264,18 @@ class Qwen2Config:
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                     rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=None, eos_token_id=1,
                     pad_token_id=0)
-        return cls(**{**base, **kw})
+        return cls._make("preset 'tiny'", base, kw)
+
+
+def _check_field_names(fields: dict[str, Any], where: str) -> None:
+    """One ConfigError for names that are not Qwen2Config fields (a typo in model.overrides, say)."""
+    known = [f.name for f in dataclasses.fields(Qwen2Config)]
+    unknown = [k for k in fields if k not in known]
+    if unknown:
+        close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+        hints = "".join(f" (did you mean {c[0]!r} for {k!r}?)" for k, c in close.items() if c)
+        raise ConfigError(f"{where}: Qwen2Config has no field(s) {unknown}{hints}; check the overrides "
+                          f"(gin: model.overrides); known fields: {known}")
 
 
 _QWEN2P5_COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from jaxrl_llm.rewards.errors import RewardConfigError, RewardError
-from jaxrl_llm.rewards.registry import registry_snapshot
+from jaxrl_llm.rewards.registry import registered_rewards, registry_snapshot
 from jaxrl_llm.rewards.scoring import RewardWorker, SampleResult, resolve_reward_fn, score_samples
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class RewardManager:
             raise RewardConfigError(f"RewardManager: num_workers={num_workers!r}; use 0 (in-process) or more")
         self.strict = strict
         self.num_workers = num_workers
+        self._by_data_source = reward_fn is None
         self.max_logged_problems = max_logged_problems
         # Resolved here too, so that a bad spec fails at once with one clear error, not inside a worker.
         self._fn = resolve_reward_fn(reward_fn)
@@ -85,6 +86,25 @@ class RewardManager:
         actor_cls = ray.remote(num_cpus=num_cpus)(RewardWorker)
         registry = registry_snapshot()
         self._workers = [actor_cls.remote(spec, registry) for _ in range(self.num_workers)]
+
+    def check_data_sources(self, data_sources: Iterable[str], where: str = "") -> None:
+        """Fails now, before any model is loaded, if the dataset has a data_source that no reward function
+        is registered for (only when dispatching by data_source: a custom or named function scores all).
+
+        Args:
+          data_sources: the dataset's data_source values (repeats are fine).
+          where: the dataset's files, for the message.
+        """
+        if not self._by_data_source:
+            return
+        known = set(registered_rewards())
+        missing = sorted({s for s in data_sources if s not in known})
+        if missing:
+            raise RewardConfigError(
+                f"{where + ': ' if where else ''}data_source {missing} has no reward function; registered: "
+                f"{sorted(known)}. Fix the rows' data_source, register one with "
+                "@jaxrl_llm.rewards.register_reward(name), or set a custom reward function "
+                "(gin: reward.custom_reward_path / reward.custom_reward_name)")
 
     def close(self) -> None:
         """Stops the Ray workers (and Ray itself, if this manager started it)."""

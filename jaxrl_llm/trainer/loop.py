@@ -14,7 +14,9 @@ import time
 
 import numpy as np
 
+import jaxrl_llm
 from jaxrl_llm.algorithms import make_kl_controller
+from jaxrl_llm.checkpoint import resolve_resume
 from jaxrl_llm.rewards import CustomRewardFunction, RewardManager
 from jaxrl_llm.rollout import RolloutBatch, SamplingParams
 from jaxrl_llm.trainer import metrics as M
@@ -63,13 +65,50 @@ class RLTrainer:
         self.kl_ctrl = (make_kl_controller(a.kl_ctrl_type, a.kl_coef, a.kl_target, a.kl_horizon)
                         if a.use_kl_in_reward else None)
         self.worker = make_worker(run, total_steps=self.total_steps)
+        self.operative_config = operative_config
         self.global_step = 0
+        self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
+        self.worker.call("open_checkpointer", self.ckpt_dir, t.max_checkpoints_to_keep)
+        self._resume()
+        self._save_tokenizer()
         self.logger = MetricsLogger(self.run_dir, t.logger, total_steps=self.total_steps, start_step=self.global_step,
                                     project=t.project_name, experiment=t.experiment_name,
                                     progress_bar=t.progress_bar)
         self.peak = self.worker.call("peak_tflops")
         self.n_devices = self.worker.call("num_devices")
         self.model_cfg = self.worker.call("model_config")
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def _meta(self) -> dict:
+        return {"step": self.global_step, "data": self.iterator.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
+                "seed": self.run.data.seed, "model": self.model_cfg_hf, "gin": self.operative_config,
+                "jaxrl_llm": jaxrl_llm.__version__}
+
+    def _resume(self) -> None:
+        """Continues from a checkpoint (`train.resume_mode`): states, step, data order, KL controller."""
+        self.model_cfg_hf = self.worker.call("model_config").to_hf()
+        directory, step = resolve_resume(self.run.trainer.resume_mode, self.run_dir)
+        if directory is None:
+            self.worker.call("set_aside_checkpoints")
+            return
+        meta = self.worker.call("restore_checkpoint", directory, step)
+        if meta is None:
+            return
+        self.global_step = int(meta["step"])
+        self.iterator.load_state_dict(meta["data"])
+        if self.kl_ctrl is not None and meta.get("kl_ctrl"):
+            self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
+        log.info("resumed from %s at step %d", directory, self.global_step)
+
+    def save_checkpoint(self) -> None:
+        self.worker.call("save_checkpoint", self.global_step, self._meta())
+
+    def _save_tokenizer(self) -> None:
+        """Keeps the tokenizer beside the checkpoints, so exports are complete HF directories."""
+        path = os.path.join(self.run_dir, "tokenizer")
+        if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+            self.tokenizer.save_pretrained(path)
 
     # ---- one step --------------------------------------------------------------------------------
     def sampling(self, step: int, *, validate: bool = False) -> SamplingParams:
@@ -88,10 +127,27 @@ class RLTrainer:
                                        [it["ground_truth"] for it in items], [it.get("extra_info") for it in items])
         return out, texts
 
+    def _replayed_batch(self, step: int) -> TrainBatch:
+        path = os.path.join(self.run.trainer.replay_batches_from, f"step_{step:06d}.npz")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"train.replay_batches_from: no batch for step {step} ({path}); replay needs "
+                                    "the dumps of every step it runs (train.dump_batches = True)")
+        with np.load(path) as f:
+            return TrainBatch.from_arrays(dict(f))
+
+    def _dump_batch(self, batch: TrainBatch, step: int) -> None:
+        d = os.path.join(self.run_dir, "batches")
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f".step_{step:06d}.tmp.npz")
+        np.savez(tmp, **batch.to_arrays())
+        os.replace(tmp, os.path.join(d, f"step_{step:06d}.npz"))
+
     def train_step(self, prompts: list[dict], step: int) -> dict[str, float]:
         run, worker = self.run, self.worker
         timer = M.Timer()
         metrics: dict[str, float] = {}
+        if run.trainer.replay_batches_from:
+            return self._replay_step(step)
         with timer("step"):
             with timer("gen"):
                 rollout = worker.call("generate", [p["prompt_ids"] for p in prompts], self.sampling(step))
@@ -120,6 +176,8 @@ class RLTrainer:
             metrics.update(adv["metrics"])
             if self.kl_ctrl is not None:
                 self.kl_ctrl.update(adv["metrics"]["actor/reward_kl_penalty"], n_steps=len(prompts))
+            if run.trainer.dump_batches:
+                self._dump_batch(batch, step)
             if run.algo.uses_critic:
                 with timer("update_critic"):
                     metrics.update(worker.call("update_critic", batch, step))
@@ -128,6 +186,27 @@ class RLTrainer:
             with timer("reshard"):
                 worker.call("sync_rollout_weights", step + 1)
         metrics["actor/entropy_rollout"] = float(np.sum(old["entropy"]) / max(batch.response_mask.sum(), 1))
+        return self._step_metrics(metrics, batch, timer, step)
+
+    def _replay_step(self, step: int) -> dict[str, float]:
+        """Trains on a dumped batch instead of generating one: same start state and same batches give
+        the same updates (batch dump and replay, for exact reproduction)."""
+        run, worker = self.run, self.worker
+        timer = M.Timer()
+        metrics: dict[str, float] = {}
+        with timer("step"):
+            batch = self._replayed_batch(step)
+            if run.algo.uses_critic:
+                with timer("update_critic"):
+                    metrics.update(worker.call("update_critic", batch, step))
+            with timer("update_actor"):
+                metrics.update(worker.call("update_actor", batch, step))
+            with timer("reshard"):
+                worker.call("sync_rollout_weights", step + 1)
+        return self._step_metrics(metrics, batch, timer, step)
+
+    def _step_metrics(self, metrics, batch: TrainBatch, timer, step: int) -> dict[str, float]:
+        run = self.run
         metrics.update(M.data_metrics(batch, max_response_length=run.data.max_response_length,
                                       max_prompt_length=run.data.max_prompt_length, use_critic=run.algo.uses_critic))
         metrics.update(timer.metrics(float(np.sum(batch.prompt_lengths + batch.response_lengths))))
@@ -159,23 +238,30 @@ class RLTrainer:
     def fit(self) -> dict[str, float]:
         t = self.run.trainer
         last: dict[str, float] = {}
-        if t.val_before_train and self.val_data is not None:
-            val = self.validate()
-            self.logger.log(self.global_step, val)
-            last.update(val)
-        while self.global_step < self.total_steps:
-            prompts = next(self.iterator)
-            step_start = time.perf_counter()
-            metrics = self.train_step(prompts, self.global_step)
-            self.global_step += 1
-            if self.val_data is not None and t.test_freq > 0 and (
-                    self.global_step % t.test_freq == 0 or self.global_step == self.total_steps):
-                t0 = time.perf_counter()
-                metrics.update(self.validate())
-                metrics["timing_s/testing"] = time.perf_counter() - t0
-            metrics["timing_s/step_total"] = time.perf_counter() - step_start
-            self.logger.log(self.global_step, metrics)
-            last = metrics
-        self.logger.close()
-        self.rewards.close()
+        try:
+            if t.val_before_train and self.val_data is not None and self.global_step == 0:
+                val = self.validate()
+                self.logger.log(self.global_step, val)
+                last.update(val)
+            while self.global_step < self.total_steps:
+                prompts = next(self.iterator)
+                step_start = time.perf_counter()
+                metrics = self.train_step(prompts, self.global_step)
+                self.global_step += 1
+                done = self.global_step == self.total_steps
+                if self.val_data is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or done):
+                    t0 = time.perf_counter()
+                    metrics.update(self.validate())
+                    metrics["timing_s/testing"] = time.perf_counter() - t0
+                if (t.save_freq > 0 and self.global_step % t.save_freq == 0) or done:
+                    t0 = time.perf_counter()
+                    self.save_checkpoint()
+                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0
+                metrics["timing_s/step_total"] = time.perf_counter() - step_start
+                self.logger.log(self.global_step, metrics)
+                last = metrics
+            self.worker.call("wait_checkpoint")
+        finally:
+            self.logger.close()
+            self.rewards.close()
         return last

@@ -328,6 +328,53 @@ class TrainerWorker:
 
         return save_weights(directory, step, self.actor_state["params"], self.cfg)
 
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def set_aside_checkpoints(self) -> list[str]:
+        """A fresh start in a run dir that has checkpoints moves them aside (they are another run's)."""
+        return self.ckpt.set_aside_after(0)
+
+    def open_checkpointer(self, directory: str, max_to_keep: int | None) -> list[int]:
+        """Opens the run's checkpoint dir for saving; returns the steps already there."""
+        from jaxrl_llm.checkpoint import RunCheckpointer
+
+        self.ckpt = RunCheckpointer(directory, max_to_keep=max_to_keep)
+        return self.ckpt.steps()
+
+    def save_checkpoint(self, step: int, meta: dict) -> None:
+        """Starts an async save of the train states (the device-to-host copy happens here)."""
+        self.ckpt.save(step, actor=self.actor_state, critic=self.critic_state, meta=meta)
+
+    def wait_checkpoint(self) -> None:
+        self.ckpt.wait()
+
+    def restore_checkpoint(self, directory: str, step: int | None = None) -> dict | None:
+        """Restores train states into this worker's mesh layout; returns the checkpoint's meta (with
+        its step), or None when `directory` has no checkpoint."""
+        from jaxrl_llm.checkpoint import NoValidCheckpointError, RunCheckpointer
+
+        own = self.ckpt
+        ckpt = own if own.directory == os.path.abspath(directory) else \
+            RunCheckpointer(directory, read_only=True) if os.path.isdir(directory) else None
+        if ckpt is None:
+            own.set_aside_after(0)
+            return None
+        if step is None:
+            found = ckpt.restore_latest_valid(actor=self.actor_state, critic=self.critic_state)
+            if found is None:
+                own.set_aside_after(0)
+                return None
+            step, actor, critic, meta = found
+        else:
+            if step not in ckpt.steps():
+                raise NoValidCheckpointError(f"{directory}: no checkpoint for step {step}; it has {ckpt.steps()}")
+            actor, critic, meta = ckpt.restore(step, actor=self.actor_state, critic=self.critic_state)
+        self.actor_state = actor
+        if critic is not None:
+            self.critic_state = critic
+        own.set_aside_after(step)
+        self.sync_rollout_weights(step)
+        return {**meta, "step": step}
+
     # ---- small queries for the driver -------------------------------------------------------------
     def model_config(self) -> Qwen2Config:
         return self.cfg

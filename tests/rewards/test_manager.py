@@ -89,6 +89,15 @@ def test_setup_errors_are_raised_not_counted():
         RewardManager().score_batch(["a", "b"], ["x"], ["1", "2"])
 
 
+def test_check_data_sources_fails_before_any_scoring():
+    manager = RewardManager()
+    manager.check_data_sources(["openai/gsm8k", "gsm8k", "openai/gsm8k"])
+    with pytest.raises(RewardConfigError, match=r"^d\.jsonl: data_source \['my/ds'\] has no reward function"):
+        manager.check_data_sources(["gsm8k", "my/ds", "my/ds"], where="d.jsonl")
+    RewardManager("gsm8k_format").check_data_sources(["my/ds"])  # one function scores every source
+    RewardManager(FLAKY).check_data_sources(["my/ds"])
+
+
 def test_empty_batch():
     out = RewardManager().score_batch([], [], [])
     assert out.scores.shape == (0,) and out.scores.dtype == np.float32

@@ -1,0 +1,146 @@
+"""Orbax checkpoints of a run, with resume that is exact and survives a bad latest checkpoint.
+
+A checkpoint `<run_dir>/checkpoints/<step>/` holds three items:
+  actor   params, optimizer state, update counters (sharded arrays; restored into the current mesh's
+          layout, whatever mesh saved them)
+  critic  the same for the critic (PPO only)
+  meta    JSON: the step, the data iterator state, the KL controller state, the sampling seed, the
+          model config and the operative gin config
+The reference model is not saved: it is re-derived from the model source at start.
+
+Orbax writes each step into a temporary directory and renames it when complete, so a run killed
+mid-save leaves no half checkpoint behind. A latest checkpoint that is still unreadable (a truncated
+or corrupted file) is skipped with a warning, and the run resumes from the one before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(OSError):
+    """Saving failed (disk full, unwritable run dir); the previous checkpoints are intact."""
+
+
+class NoValidCheckpointError(FileNotFoundError):
+    """An explicit resume path with no checkpoint that can be restored."""
+
+
+def _abstract(tree):
+    """ShapeDtypeStructs with shardings: the restore target, in the current layout."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class RunCheckpointer:
+    """Saves and restores a run's train states and metadata under `directory`."""
+
+    def __init__(self, directory: str, *, max_to_keep: int | None = 2, async_save: bool = True,
+                 read_only: bool = False):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else max_to_keep, enable_async_checkpointing=async_save,
+            create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only)
+        handlers = {"actor": ocp.StandardCheckpointHandler(), "critic": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        except OSError as e:
+            raise CheckpointSaveError(f"checkpoint dir {self.directory}: cannot create or open it ({e}); "
+                                      "check the path and permissions of train.run_dir") from None
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, *, actor, meta: dict, critic=None) -> None:
+        """Starts an (async) save; `wait()` blocks until it is committed."""
+        items = {"actor": ocp.args.StandardSave(actor), "meta": ocp.args.JsonSave(meta)}
+        if critic is not None:
+            items["critic"] = ocp.args.StandardSave(critic)
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except OSError as e:
+            raise CheckpointSaveError(
+                f"saving checkpoint step {step} in {self.directory} failed ({e}); the earlier checkpoints "
+                f"{self.steps()} are intact. Free disk space or fix the permissions of train.run_dir, then "
+                "rerun: the run resumes from the last good checkpoint") from None
+
+    def wait(self) -> None:
+        try:
+            self.manager.wait_until_finished()
+        except OSError as e:
+            raise CheckpointSaveError(
+                f"finishing a checkpoint save in {self.directory} failed ({e}); the earlier checkpoints "
+                "are intact. Free disk space or fix the permissions of train.run_dir, then rerun") from None
+
+    def restore(self, step: int, *, actor, critic=None) -> tuple:
+        """Restores `step` into the layout of the given (live or abstract) trees; returns
+        (actor, critic or None, meta)."""
+        items = {"actor": ocp.args.StandardRestore(_abstract(actor)), "meta": ocp.args.JsonRestore()}
+        if critic is not None:
+            items["critic"] = ocp.args.StandardRestore(_abstract(critic))
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        return out["actor"], (out["critic"] if critic is not None else None), dict(out["meta"])
+
+    def restore_latest_valid(self, *, actor, critic=None) -> tuple | None:
+        """The newest checkpoint that restores cleanly, falling back past broken ones; None if none."""
+        steps = self.steps()
+        for i, step in enumerate(reversed(steps)):
+            try:
+                restored = self.restore(step, actor=actor, critic=critic)
+            except Exception as e:  # a truncated or corrupted file surfaces as many error types
+                older = steps[-i - 2] if len(steps) > i + 1 else None
+                log.warning("checkpoint step %d in %s is unreadable (%s: %s); %s", step, self.directory,
+                            type(e).__name__, str(e).splitlines()[0][:200],
+                            f"resuming from step {older} instead" if older is not None else "no older one")
+                continue
+            if i:
+                log.warning("resumed from step %d, the newest checkpoint that restores", step)
+            return (step, *restored)
+        return None
+
+    def set_aside_after(self, step: int) -> list[str]:
+        """Moves checkpoints newer than `step` out of the step sequence (renamed, not deleted): after a
+        resume from `step` they belong to an abandoned timeline, and would collide with new saves."""
+        moved = []
+        for s in self.steps():
+            if s > step:
+                src = os.path.join(self.directory, str(s))
+                dst = os.path.join(self.directory, f"set-aside-step{s}-{int(time.time())}")
+                os.rename(src, dst)
+                moved.append(dst)
+        if moved:
+            self.manager.reload()
+            log.warning("moved checkpoints newer than the resume step %d aside: %s", step, moved)
+        return moved
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def resolve_resume(resume_mode: str, run_dir: str) -> tuple[str | None, int | None]:
+    """(checkpoint directory, step or None for the latest valid) to resume from, or (None, None).
+
+    `resume_mode` is "auto" (this run's checkpoints if any), "disable", a checkpoints directory, or
+    one step inside one (`RUN_DIR/checkpoints/40`).
+    """
+    if resume_mode == "disable":
+        return None, None
+    if resume_mode == "auto":
+        return os.path.join(run_dir, "checkpoints"), None
+    path = os.path.abspath(os.path.expanduser(resume_mode))
+    if not os.path.isdir(path):
+        raise NoValidCheckpointError(f"train.resume_mode={resume_mode!r}: no such checkpoint directory; use "
+                                     "'auto', 'disable', RUN_DIR/checkpoints or RUN_DIR/checkpoints/<step>")
+    base = os.path.basename(path.rstrip("/"))
+    if base.isdigit():
+        return os.path.dirname(path), int(base)
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        return os.path.join(path, "checkpoints"), None
+    return path, None

@@ -1,0 +1,64 @@
+"""Helpers to run the tiny GRPO demo as a real CLI process, and to read its metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A short, fast version of gin/grpo_tiny.gin: 8 prompts x 4 responses a step.
+FAST = ["train.progress_bar=False", "train.logger=('jsonl',)", "train.val_before_train=False", "train.test_freq=-1",
+        "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4"]
+
+# Metrics that measure time rather than the computation; they differ between runs.
+TIME_KEYS = ("timing_s/", "timing_per_token_ms/", "perf/")
+
+
+def cli(run_dir, *params, steps: int, extra_env=None) -> list[str]:
+    args = [sys.executable, "-m", "jaxrl_llm.train", "--gin_file=gin/grpo_tiny.gin"]
+    for p in (*FAST, f"train.total_training_steps={steps}", f"train.run_dir='{run_dir}'", *params):
+        args.append(f"--gin_param={p}")
+    return args
+
+
+def run(run_dir, *params, steps: int, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cli(run_dir, *params, steps=steps), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def start(run_dir, *params, steps: int) -> subprocess.Popen:
+    return subprocess.Popen(cli(run_dir, *params, steps=steps), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def metrics(run_dir) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill
+                out.append(json.loads(line))
+    return out
+
+
+def by_step(rows: list[dict]) -> dict[int, dict]:
+    """The last logged metrics of each step, without the wall-clock ones."""
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in rows}
+
+
+def wait_for_steps(run_dir, n: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        if len(metrics(run_dir)) >= n:
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"run exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{run_dir}: fewer than {n} steps after {timeout}s")
