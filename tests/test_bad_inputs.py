@@ -293,9 +293,9 @@ def filtered_run(tmp_path_factory, qwen2_tokenizer_dir):
 
 
 @pytest.mark.parametrize("what", [
-    "1 empty prompts (first: {path} row 1)",
-    "1 longer than 96 tokens (first: {path} row 2",
-    "1 non-numeric gsm8k ground truths (first: {path} row 3: 'about seven')",
+    pytest.param("1 empty prompts (first: {path} row 1)", id="empty_prompt"),
+    pytest.param("1 longer than 96 tokens (first: {path} row 2", id="overlong_prompt"),
+    pytest.param("1 non-numeric gsm8k ground truths (first: {path} row 3: 'about seven')", id="non_numeric_truth"),
 ])
 def test_counted_filter(filtered_run, what):
     code, summary, path, run_dir = filtered_run
@@ -310,28 +310,32 @@ def test_counted_filter(filtered_run, what):
 # ---- config -------------------------------------------------------------------------------------
 
 
+def binding_case(binding: str, *needles: str, xfail: str | None = None):
+    return pytest.param(binding, needles, id=binding, marks=[_xfail(xfail)] if xfail else [])
+
+
 @pytest.mark.parametrize("binding, needles", [
-    ("train.nope = 1", ["'train'", "'nope'"]),
-    ("trian.total_epochs = 1", ["'trian'"]),
-    ("rollout.top_p = 1.5", ["rollout.top_p", "1.5"]),
-    ("rollout.n = 0", ["rollout.n", "n >= 1"]),
-    ("data.source = 'files'", ["data.train_files"]),                          # a required value missing
-    ("actor.ppo_mini_batch_size = 10", ["actor.ppo_mini_batch_size", "does not divide", "25"]),
-    ("algorithm.adv_estimator = 'grpoo'", ["algorithm.adv_estimator", "'grpoo'", "'grpo'"]),
-    pytest.param("data.train_batch_size = 'abc'", ["data.train_batch_size", "str"],
-                 marks=_xfail("trainer/config.py build_run_config: check each bound value's type against the "
-                              "field annotation; today: \"'>=' not supported between instances of 'str' and "
-                              "'int'\", naming no binding")),
-    pytest.param("rollout.n = '4'", ["rollout.n", "'4'", "str"],
-                 marks=_xfail("trainer/config.py: same type check; today 'rollout.n: n=4; need n >= 1' hides that "
-                              "the value is the string '4'")),
-    pytest.param("train.total_epochs = [", ["train.total_epochs"],
-                 marks=_xfail("train.py parse_config: gin's tokenizer raises tokenize.TokenError (not a ValueError) "
-                              "on an unclosed bracket, which escapes as a traceback; catch it")),
-    pytest.param("train.logger = ('jsonl', 'tensorbord')", ["train.logger", "'tensorbord'"],
-                 marks=_xfail("trainer/config.py TrainerConfig.validate: check the sinks; today MetricsLogger raises "
-                              "a bare ValueError after the model is built (a traceback)")),
-], ids=lambda v: v if isinstance(v, str) else None)
+    binding_case("train.nope = 1", "'train'", "'nope'"),
+    binding_case("trian.total_epochs = 1", "'trian'"),
+    binding_case("rollout.top_p = 1.5", "rollout.top_p", "1.5"),
+    binding_case("rollout.n = 0", "rollout.n", "n >= 1"),
+    binding_case("data.source = 'files'", "data.train_files"),  # a required value is missing
+    binding_case("actor.ppo_mini_batch_size = 10", "actor.ppo_mini_batch_size", "does not divide", "25"),
+    binding_case("algorithm.adv_estimator = 'grpoo'", "algorithm.adv_estimator", "'grpoo'", "'grpo'"),
+    binding_case("data.train_batch_size = 'abc'", "data.train_batch_size", "str",
+                 xfail="trainer/config.py build_run_config: check each bound value's type against the field "
+                       "annotation; today: \"'>=' not supported between instances of 'str' and 'int'\", naming no "
+                       "binding"),
+    binding_case("rollout.n = '4'", "rollout.n", "'4'", "str",
+                 xfail="trainer/config.py: the same type check; today 'rollout.n: n=4; need n >= 1' hides that the "
+                       "value is the string '4'"),
+    binding_case("train.total_epochs = [", "train.total_epochs",
+                 xfail="train.py parse_config: gin's tokenizer raises tokenize.TokenError (not a ValueError) on an "
+                       "unclosed bracket, which escapes as a traceback; catch it and name the binding"),
+    binding_case("train.logger = ('jsonl', 'tensorbord')", "train.logger", "'tensorbord'",
+                 xfail="trainer/config.py TrainerConfig.validate: check the sinks; today MetricsLogger raises a bare "
+                       "ValueError after the model is built (a traceback)"),
+])
 def test_bad_binding(binding, needles, tmp_path, capsys, no_model_load):
     res = run_main(tiny_args(tmp_path / "run", binding), capsys)
     assert_user_error(res, *needles, run_dir=tmp_path / "run")

@@ -48,3 +48,20 @@ def test_7b_forward_under_eval_shape():
     ids = jax.ShapeDtypeStruct((2, 64), jax.numpy.int32)
     out = jax.eval_shape(lambda p, i: nnx.merge(graphdef, p)(i), abstract, ids)
     assert out.shape == (2, 64, 152064)
+
+
+def test_config_errors_name_the_field():
+    from jaxrl_llm.models import ConfigError
+
+    with pytest.raises(ConfigError, match=r"preset 'tiny': Qwen2Config has no field\(s\) \['vocab_sise'\] "
+                                          r"\(did you mean 'vocab_size' for 'vocab_sise'\?\)"):
+        PRESETS["tiny"](vocab_sise=16)
+    with pytest.raises(ConfigError, match="config dict: Qwen2Config has no field"):
+        Qwen2Config.from_hf(Qwen2Config.tiny().to_hf(), num_layers=2)
+    with pytest.raises(ConfigError, match=r"config dict: missing field\(s\) \['intermediate_size'\]"):
+        Qwen2Config.from_hf({k: v for k, v in Qwen2Config.tiny().to_hf().items() if k != "intermediate_size"})
+    with pytest.raises(ConfigError, match="dtype='float33' is not a floating-point dtype"):
+        Qwen2Config.tiny(dtype="float33")
+    with pytest.raises(ConfigError, match="param_dtype='int32' is not a floating-point dtype"):
+        Qwen2Config.tiny(param_dtype="int32")
+    assert Qwen2Config.tiny(dtype="bfloat16", param_dtype="float32").dtype == "bfloat16"

@@ -1,0 +1,89 @@
+"""`python -m jaxrl_llm.export --checkpoint RUN_DIR[/checkpoints/STEP] --out DIR [--dtype bfloat16]`
+
+Writes the actor of a run checkpoint as a HF directory (config.json, safetensors, generation config,
+the run's tokenizer) that transformers and vLLM load. With `--critic` it writes the critic as a
+`Qwen2ForTokenClassification` instead. Parameters are restored on the host, so no accelerator is
+needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxrl_llm.checkpoint import NoValidCheckpointError, RunCheckpointer, resolve_resume
+from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.hf_io import write_hf_dir
+
+log = logging.getLogger(__name__)
+
+
+def _host_target(metadata):
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), metadata)
+
+
+def load_checkpoint_params(checkpoint: str, *, critic: bool = False):
+    """(step, params on the host, Qwen2Config, run dir) of a run checkpoint (the latest valid one when
+    `checkpoint` is a run dir or a checkpoints dir)."""
+    directory, step = resolve_resume(checkpoint, checkpoint)
+    ckpt = RunCheckpointer(directory, read_only=True)
+    steps = ckpt.steps() if step is None else [step]
+    if not steps or (step is not None and step not in ckpt.steps()):
+        raise NoValidCheckpointError(f"--checkpoint {checkpoint}: no checkpoint there (found steps {ckpt.steps()})")
+    item = "critic" if critic else "actor"
+    errors = []
+    for s in reversed(steps):
+        try:
+            meta = ckpt.manager.item_metadata(s)
+            if meta.get(item) is None:
+                raise NoValidCheckpointError(f"step {s} has no {item}")
+            # The whole train state is read (params and optimizer moments: about 3x the params in host
+            # memory); the params are kept.
+            args = ocp.args.StandardRestore(_host_target(meta[item]))
+            out = ckpt.manager.restore(s, args=ocp.args.Composite(**{item: args, "meta": ocp.args.JsonRestore()}))
+            run_dir = os.path.dirname(ckpt.directory)
+            return s, out[item]["params"], Qwen2Config.from_hf(dict(out["meta"]["model"])), run_dir
+        except NoValidCheckpointError:
+            raise
+        except Exception as e:  # a corrupted step: try the one before, as resume does
+            errors.append(f"step {s}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            log.warning("checkpoint %s", errors[-1])
+    raise NoValidCheckpointError(f"--checkpoint {checkpoint}: no checkpoint restores ({'; '.join(errors)})")
+
+
+def export(checkpoint: str, out_dir: str, *, dtype: str | None = "bfloat16", critic: bool = False,
+           tokenizer_dir: str | None = None, max_shard_size: str = "5GB") -> str:
+    step, params, cfg, run_dir = load_checkpoint_params(checkpoint, critic=critic)
+    tok = tokenizer_dir or os.path.join(run_dir, "tokenizer")
+    write_hf_dir(params, cfg, out_dir, critic=critic, tokenizer_dir=tok if os.path.isdir(tok) else None,
+                 dtype=dtype, max_shard_size=max_shard_size)
+    log.info("exported step %d of %s to %s", step, checkpoint, out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxrl_llm.export", description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", required=True, help="RUN_DIR, RUN_DIR/checkpoints or RUN_DIR/checkpoints/STEP")
+    ap.add_argument("--out", required=True, help="output HF directory")
+    ap.add_argument("--dtype", default="bfloat16", help="tensor dtype in the export (float32, bfloat16)")
+    ap.add_argument("--critic", action="store_true", help="export the critic (value model) instead")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the run's saved tokenizer)")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        out = export(args.checkpoint, args.out, dtype=args.dtype, critic=args.critic, tokenizer_dir=args.tokenizer)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
