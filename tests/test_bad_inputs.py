@@ -61,7 +61,7 @@ def run_main(argv: list[str], capsys) -> CliResult:
     capsys.readouterr()
     try:
         code, escaped = train.main(argv), ""
-    except BaseException:  # noqa: BLE001  (SystemExit included: main() should return, not exit)
+    except BaseException:  # SystemExit too: main(argv) should return its exit code, not exit
         code, escaped = None, traceback.format_exc()
     out = capsys.readouterr()
     return CliResult(code, out.out, out.err, escaped)
@@ -104,6 +104,13 @@ def assert_run_dir_not_broken(run_dir: pathlib.Path) -> None:
     assert not metrics.exists() or metrics.stat().st_size == 0, metrics.read_text()[:500]
     temps = [p for p in run_dir.rglob("*") if "tmp" in p.name.lower()]
     assert not temps, temps
+
+
+@pytest.fixture(autouse=True)
+def _clear_gin_after():
+    """main() leaves its bindings in gin's global config; later test modules must not see them."""
+    yield
+    gin.clear_config()
 
 
 @pytest.fixture

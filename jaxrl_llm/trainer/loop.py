@@ -71,6 +71,7 @@ class RLTrainer:
         self.worker.call("open_checkpointer", self.ckpt_dir, t.max_checkpoints_to_keep)
         self._resume()
         self._save_tokenizer()
+        self.pool = self._make_vllm_pool() if run.rollout.engine == "vllm" else None
         self.logger = MetricsLogger(self.run_dir, t.logger, total_steps=self.total_steps, start_step=self.global_step,
                                     project=t.project_name, experiment=t.experiment_name,
                                     progress_bar=t.progress_bar)
@@ -109,6 +110,35 @@ class RLTrainer:
         path = os.path.join(self.run_dir, "tokenizer")
         if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
             self.tokenizer.save_pretrained(path)
+
+    # ---- rollout engine ----------------------------------------------------------------------------
+    def _make_vllm_pool(self):
+        """The vLLM pool of Ray actors, started from the actor's current weights (saved with Orbax)."""
+        from jaxrl_llm.rollout import VllmPool
+        from jaxrl_llm.trainer.roles import init_ray
+
+        init_ray(self.run)
+        self.weights_dir = os.path.join(self.run_dir, "weights")
+        self.worker.call("save_weights", self.weights_dir, self.global_step)
+        d = self.run.data
+        return VllmPool(self.worker.call("model_config"), num_workers=self.run.rollout.vllm_workers,
+                        weights_dir=self.weights_dir, max_prompt_length=d.max_prompt_length,
+                        max_model_len=d.max_prompt_length + d.max_response_length, dtype=self.run.model.dtype,
+                        seed=d.seed)
+
+    def generate(self, prompts: list[dict], sampling: SamplingParams) -> RolloutBatch:
+        ids = [p["prompt_ids"] for p in prompts]
+        if self.pool is not None:
+            return self.pool.generate(ids, sampling)
+        return self.worker.call("generate", ids, sampling)
+
+    def sync_weights(self, version: int) -> None:
+        """New actor weights to the engine: in device memory (JAX), or via an Orbax checkpoint (vLLM)."""
+        if self.pool is None:
+            self.worker.call("sync_rollout_weights", version)
+        else:
+            self.worker.call("save_weights", self.weights_dir, version)
+            self.pool.update_weights(step=version)
 
     # ---- one step --------------------------------------------------------------------------------
     def sampling(self, step: int, *, validate: bool = False) -> SamplingParams:
@@ -150,7 +180,7 @@ class RLTrainer:
             return self._replay_step(step)
         with timer("step"):
             with timer("gen"):
-                rollout = worker.call("generate", [p["prompt_ids"] for p in prompts], self.sampling(step))
+                rollout = self.generate(prompts, self.sampling(step))
             batch = build_train_batch(prompts, rollout, run.data.max_response_length)
             with timer("reward"):
                 scored, _ = self.score(prompts, batch, rollout)
@@ -184,7 +214,7 @@ class RLTrainer:
             with timer("update_actor"):
                 metrics.update(worker.call("update_actor", batch, step))
             with timer("reshard"):
-                worker.call("sync_rollout_weights", step + 1)
+                self.sync_weights(step + 1)
         metrics["actor/entropy_rollout"] = float(np.sum(old["entropy"]) / max(batch.response_mask.sum(), 1))
         return self._step_metrics(metrics, batch, timer, step)
 
@@ -202,7 +232,7 @@ class RLTrainer:
             with timer("update_actor"):
                 metrics.update(worker.call("update_actor", batch, step))
             with timer("reshard"):
-                worker.call("sync_rollout_weights", step + 1)
+                self.sync_weights(step + 1)
         return self._step_metrics(metrics, batch, timer, step)
 
     def _step_metrics(self, metrics, batch: TrainBatch, timer, step: int) -> dict[str, float]:
@@ -224,7 +254,7 @@ class RLTrainer:
         scores, sources = [], []
         for start in range(0, len(items), bs):
             chunk = items[start:start + bs]
-            rollout = self.worker.call("generate", [p["prompt_ids"] for p in chunk], self.sampling(0, validate=True))
+            rollout = self.generate(chunk, self.sampling(0, validate=True))
             batch = build_train_batch(chunk, rollout, self.run.data.max_response_length)
             out, _ = self.score(chunk, batch, rollout)
             scores.extend(out.scores.tolist())
@@ -264,4 +294,6 @@ class RLTrainer:
         finally:
             self.logger.close()
             self.rewards.close()
+            if self.pool is not None:
+                self.pool.shutdown()
         return last

@@ -62,3 +62,14 @@ def wait_for_steps(run_dir, n: int, proc: subprocess.Popen, timeout: float = 240
             raise RuntimeError(f"run exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
         time.sleep(0.05)
     raise TimeoutError(f"{run_dir}: fewer than {n} steps after {timeout}s")
+
+
+def run_config(*params: str, steps: int = 2, run_dir=None):
+    """A RunConfig of the tiny demo with FAST settings plus `params`, parsed like the CLI does."""
+    import gin
+
+    from jaxrl_llm.train import parse_config
+
+    gin.clear_config()
+    extra = [f"train.total_training_steps={steps}"] + ([f"train.run_dir='{run_dir}'"] if run_dir else [])
+    return parse_config(["gin/grpo_tiny.gin"], [*FAST, *extra, *params])
