@@ -9,9 +9,12 @@ names the binding. The operative config is written to `<run_dir>/operative_confi
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
+import shutil
 import sys
+import tokenize
 
 import gin
 
@@ -24,8 +27,13 @@ class UsageError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage and sys.exit(2) out of main()
+        raise UsageError(f"{message} (see --help)")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jaxrl_llm.train", description=__doc__.split("\n")[0])
+    parser = _ArgumentParser(prog="python -m jaxrl_llm.train", description=__doc__.split("\n")[0])
     parser.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     parser.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
     parser.add_argument("--log_level", default="INFO")
@@ -55,40 +63,71 @@ def parse_config(gin_files: list[str], gin_params: list[str]):
         return build_run_config()
     except ConfigValueError as e:
         raise UsageError(f"config: {e}") from None
+    except tokenize.TokenError:  # an unclosed bracket or quote; gin's message names no binding
+        bad = [p for p in gin_params if not _tokenizes(p)] or gin_files
+        raise UsageError(f"config: cannot parse {bad[0]!r}: an unclosed bracket or quote") from None
     except (ValueError, KeyError, TypeError, OSError, SyntaxError) as e:
         msg = str(e).strip().splitlines()
         raise UsageError(f"config: {' / '.join(m.strip() for m in msg if m.strip())}") from None
 
 
+def _tokenizes(text: str) -> bool:
+    try:
+        list(tokenize.generate_tokens(io.StringIO(text).readline))
+        return True
+    except tokenize.TokenError:
+        return False
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that describe bad input (printed as one line), as opposed to bugs (tracebacks)."""
+    from jaxrl_llm.checkpoint import CheckpointSaveError
     from jaxrl_llm.data import DataError
     from jaxrl_llm.models import CheckpointError, ConfigError
     from jaxrl_llm.rewards import RewardConfigError, RewardError
     from jaxrl_llm.rollout import RolloutError
     from jaxrl_llm.sharding import MeshError
+    from jaxrl_llm.trainer.config import ConfigValueError
 
-    return (DataError, CheckpointError, ConfigError, RewardConfigError, RewardError, RolloutError, MeshError,
-            FileNotFoundError, UsageError)
+    return (DataError, CheckpointError, ConfigError, ConfigValueError, RewardConfigError, RewardError, RolloutError,
+            MeshError, CheckpointSaveError, FileNotFoundError, UsageError)
+
+
+def _one_line(e: BaseException) -> str:
+    """The message on one line, without the "In call to configurable ..." lines that gin appends."""
+    lines = [line.strip() for line in str(e).splitlines()]
+    return " / ".join(line for line in lines if line and not line.startswith("In call to configurable"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_dir = None
+    created = False
     try:
         run = parse_config(args.gin_file, args.gin_param)
-        os.makedirs(run.trainer.run_dir, exist_ok=True)
-        with open(os.path.join(run.trainer.run_dir, "operative_config.gin"), "w") as f:
-            f.write(gin.config_str())
+        run_dir = run.trainer.run_dir
+        created = not os.path.exists(run_dir)
         from jaxrl_llm.trainer.loop import RLTrainer
 
-        trainer = RLTrainer(run, operative_config=gin.config_str())
+        try:
+            trainer = RLTrainer(run, operative_config=gin.config_str())
+        except BaseException:
+            if created:  # setup failed: leave no run dir behind (a rerun would otherwise find a stub)
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        with open(os.path.join(run_dir, "operative_config.gin"), "w") as f:
+            f.write(gin.config_str())
         trainer.fit()
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     except user_errors() as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 2
     return 0
 

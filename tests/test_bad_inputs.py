@@ -3,9 +3,7 @@
 The house rule: bad input gets one clear error line (what, where, how to fix) and exit code 2, or a
 counted and logged filter; never a traceback, never a broken run dir. Each case below is one bad
 input. Most run `main()` in this process (fast: setup errors stop before any model is built); three
-run `python -m jaxrl_llm.train` in a subprocess to prove the end-to-end behaviour. Cases marked
-`xfail(strict=True)` need a change in `jaxrl_llm/train.py` or `jaxrl_llm/trainer/` (the reason says
-which); they flip to a failure, as a reminder to drop the mark, once it is made.
+run `python -m jaxrl_llm.train` in a subprocess to prove the end-to-end behaviour.
 """
 
 import copy
@@ -38,10 +36,6 @@ FAST = ("train.total_training_steps = 1", "train.val_before_train = False", "tra
 # The error line: ours, or argparse's (which prefixes the program name).
 ERROR_LINE = re.compile(r"^(python -m jaxrl_llm\.train: )?error: ")
 LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # main()'s logging format
-
-
-def _xfail(why: str):
-    return pytest.mark.xfail(strict=True, reason=why)
 
 
 # ---- running the CLI ----------------------------------------------------------------------------
@@ -260,8 +254,6 @@ def test_fewer_prompts_than_one_batch(tmp_path, small_tokenizer_dir, capsys, no_
                       run_dir=tmp_path / "run")
 
 
-@_xfail("trainer/loop.py RLTrainer.__init__ must call self.rewards.check_data_sources(...) after building the "
-        "RewardManager; today the RewardConfigError comes at the first scored batch, after the model is built")
 def test_data_source_without_a_reward_function(tmp_path, small_tokenizer_dir, capsys, no_model_load):
     rows = copy.deepcopy(ROWS)
     for row in rows:
@@ -317,8 +309,8 @@ def test_counted_filter(filtered_run, what):
 # ---- config -------------------------------------------------------------------------------------
 
 
-def binding_case(binding: str, *needles: str, xfail: str | None = None):
-    return pytest.param(binding, needles, id=binding, marks=[_xfail(xfail)] if xfail else [])
+def binding_case(binding: str, *needles: str):
+    return pytest.param(binding, needles, id=binding)
 
 
 @pytest.mark.parametrize("binding, needles", [
@@ -329,19 +321,10 @@ def binding_case(binding: str, *needles: str, xfail: str | None = None):
     binding_case("data.source = 'files'", "data.train_files"),  # a required value is missing
     binding_case("actor.ppo_mini_batch_size = 10", "actor.ppo_mini_batch_size", "does not divide", "25"),
     binding_case("algorithm.adv_estimator = 'grpoo'", "algorithm.adv_estimator", "'grpoo'", "'grpo'"),
-    binding_case("data.train_batch_size = 'abc'", "data.train_batch_size", "str",
-                 xfail="trainer/config.py build_run_config: check each bound value's type against the field "
-                       "annotation; today: \"'>=' not supported between instances of 'str' and 'int'\", naming no "
-                       "binding"),
-    binding_case("rollout.n = '4'", "rollout.n", "'4'", "str",
-                 xfail="trainer/config.py: the same type check; today 'rollout.n: n=4; need n >= 1' hides that the "
-                       "value is the string '4'"),
-    binding_case("train.total_epochs = [", "train.total_epochs",
-                 xfail="train.py parse_config: gin's tokenizer raises tokenize.TokenError (not a ValueError) on an "
-                       "unclosed bracket, which escapes as a traceback; catch it and name the binding"),
-    binding_case("train.logger = ('jsonl', 'tensorbord')", "train.logger", "'tensorbord'",
-                 xfail="trainer/config.py TrainerConfig.validate: check the sinks; today MetricsLogger raises a bare "
-                       "ValueError after the model is built (a traceback)"),
+    binding_case("data.train_batch_size = 'abc'", "data.train_batch_size", "str"),
+    binding_case("rollout.n = '4'", "rollout.n", "'4'", "str"),
+    binding_case("train.total_epochs = [", "train.total_epochs"),
+    binding_case("train.logger = ('jsonl', 'tensorbord')", "train.logger", "'tensorbord'"),
 ])
 def test_bad_binding(binding, needles, tmp_path, capsys, no_model_load):
     res = run_main(tiny_args(tmp_path / "run", binding), capsys)
@@ -360,15 +343,11 @@ def test_gin_file_syntax_error(tmp_path, capsys):
     assert_user_error(res, "broken.gin", "line 2")
 
 
-@_xfail("train.py parse_args: argparse's parser.error() raises SystemExit(2) out of main(argv); make main() "
-        "return 2 (e.g. an ArgumentParser whose error() raises UsageError)")
 def test_no_gin_file_flag(capsys):
     res = run_main([], capsys)
     assert_user_error(res, "--gin_file")
 
 
-@_xfail("trainer/config.py: RunConfig.validate should require model.tokenizer_path when model.preset is set and "
-        "data.source == 'files' (today trainer/data_setup.load_tokenizer raises a bare ValueError: a traceback)")
 def test_preset_without_tokenizer_for_data_files(tmp_path, capsys, no_model_load):
     path = write_jsonl(tmp_path / "train.jsonl", ROWS)
     res = run_main(tiny_args(tmp_path / "run", "data.source = 'files'", f"data.train_files = [{str(path)!r}]"),
@@ -376,16 +355,12 @@ def test_preset_without_tokenizer_for_data_files(tmp_path, capsys, no_model_load
     assert_user_error(res, "model.tokenizer_path", run_dir=tmp_path / "run")
 
 
-@_xfail("trainer/data_setup.py load_tokenizer raises a bare ValueError (a traceback); raise a mapped user error "
-        "(e.g. ConfigValueError, and add it to train.py user_errors())")
 def test_tokenizer_path_does_not_exist(tmp_path, capsys, no_model_load):
     path = write_jsonl(tmp_path / "train.jsonl", ROWS)
     res = run_main(files_args(tmp_path / "run", [path], tmp_path / "no_tokenizer"), capsys)
     assert_user_error(res, "model.tokenizer_path", str(tmp_path / "no_tokenizer"), run_dir=tmp_path / "run")
 
 
-@_xfail("trainer/config.py ModelConfig.validate: check model.preset against models.PRESETS; today "
-        "trainer/worker.model_config raises a bare ValueError (a traceback)")
 def test_unknown_model_preset(tmp_path, capsys):
     res = run_main(tiny_args(tmp_path / "run", "model.preset = 'tinyy'"), capsys)
     assert_user_error(res, "model.preset", "'tinyy'", run_dir=tmp_path / "run")
@@ -397,8 +372,6 @@ def test_model_override_names_no_field(tmp_path, capsys):
                       run_dir=tmp_path / "run")
 
 
-@_xfail("train.py main(): print a user error on one line; gin appends \"In call to configurable 'Qwen2Config'\" "
-        "as a second line to every error raised while building a configurable")
 def test_model_dtype_is_not_a_dtype(tmp_path, capsys):
     res = run_main(tiny_args(tmp_path / "run", "model.dtype = 'float33'"), capsys)
     assert_user_error(res, "ConfigError", "dtype='float33'", run_dir=tmp_path / "run")
@@ -468,8 +441,6 @@ def test_custom_reward_name_is_not_defined(tmp_path, capsys, no_model_load):
 # ---- the run dir --------------------------------------------------------------------------------
 
 
-@_xfail("train.py main() writes operative_config.gin (and trainer/loop.py RLTrainer.__init__ makes the dir, "
-        "checkpoints/ and tokenizer/) before setup can fail; create the run dir only once setup has succeeded")
 @pytest.mark.parametrize("case", ["data", "model"])
 def test_setup_failure_leaves_no_run_dir(case, tmp_path, small_tokenizer_dir, hf_dir, capsys):
     run_dir = tmp_path / "run"

@@ -9,6 +9,8 @@ any model is loaded, so a bad value fails in the first second.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 
 import gin
 
@@ -39,8 +41,12 @@ class ModelConfig:
     seed: int = 0
 
     def validate(self):
+        from jaxrl_llm.models.config import PRESETS
+
         _check((self.path is None) != (self.preset is None), "model.path / model.preset",
                "set exactly one: a HF model dir (or hub id) in `path`, or a random-init `preset`")
+        _check(self.preset is None or self.preset in PRESETS, "model.preset",
+               f"unknown preset {self.preset!r}; known: {sorted(PRESETS)}")
 
 
 @gin.configurable("data")
@@ -224,6 +230,9 @@ class TrainerConfig:
         _check(self.driver in ("ray", "inprocess"), "train.driver", f"{self.driver!r}; use 'ray' or "
                "'inprocess'")
         _check(self.total_epochs >= 1, "train.total_epochs", "must be >= 1")
+        sinks = ("console", "jsonl", "tensorboard", "wandb")
+        unknown = [s for s in self.logger if s not in sinks]
+        _check(not unknown, "train.logger", f"unknown sink(s) {unknown}; use {sinks}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +255,9 @@ class RunConfig:
         _check(self.data.train_batch_size % self.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
                f"{self.actor.ppo_mini_batch_size} does not divide data.train_batch_size "
                f"{self.data.train_batch_size}")
+        if self.data.source == "files" and self.model.preset is not None:
+            _check(self.model.tokenizer_path is not None, "model.tokenizer_path", "a random-init model.preset "
+                   "needs a tokenizer for data.source = 'files'; set it to a HF tokenizer dir")
         if self.algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
             _check(self.rollout.n >= 2, "rollout.n", f"{self.algo.adv_estimator} compares responses of a "
                    "prompt; use n >= 2")
@@ -259,8 +271,35 @@ class RunConfig:
         return -(-total // 128) * 128
 
 
+def _type_ok(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is tuple or origin is tuple:
+        return isinstance(value, tuple | list)  # gin writes lists for tuple fields too
+    return isinstance(value, origin or hint)
+
+
+def _check_types(part, name: str) -> None:
+    """A bound value of the wrong type fails here, naming its binding, not later inside a comparison."""
+    hints = typing.get_type_hints(type(part))
+    for field in dataclasses.fields(part):
+        value = getattr(part, field.name)
+        _check(_type_ok(value, hints[field.name]), f"{name}.{field.name}",
+               f"{value!r} is a {type(value).__name__}; expected {field.type}")
+
+
 def build_run_config() -> RunConfig:
     """Builds every part from its gin bindings (`actor.lr = 1e-6`, ...) and validates the whole."""
-    return RunConfig(model=ModelConfig(), data=DataConfig(), rollout=RolloutConfig(), actor=ActorConfig(),
-                     critic=CriticConfig(), algo=AlgoConfig(), reward=RewardConfig(),
-                     trainer=TrainerConfig()).validate()
+    parts = dict(model=ModelConfig(), data=DataConfig(), rollout=RolloutConfig(), actor=ActorConfig(),
+                 critic=CriticConfig(), algo=AlgoConfig(), reward=RewardConfig(), trainer=TrainerConfig())
+    gin_names = dict(algo="algorithm", trainer="train")
+    for key, part in parts.items():
+        _check_types(part, gin_names.get(key, key))
+    return RunConfig(**parts).validate()

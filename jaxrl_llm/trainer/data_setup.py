@@ -6,7 +6,7 @@ import logging
 import os
 
 from jaxrl_llm.data import PromptDataset, PromptIterator
-from jaxrl_llm.trainer.config import RunConfig
+from jaxrl_llm.trainer.config import ConfigValueError, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -21,12 +21,12 @@ def load_tokenizer(run: RunConfig):
 
     path = run.model.tokenizer_path or run.model.path
     if path is None:
-        raise ValueError("model.tokenizer_path: a random-init preset needs a tokenizer; set "
+        raise ConfigValueError("model.tokenizer_path: a random-init preset needs a tokenizer; set "
                          "model.tokenizer_path to a HF tokenizer dir (e.g. ../shared/data/qwen2_tokenizer)")
     try:
         return transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"model.tokenizer_path: cannot load a tokenizer from {path!r} ({e})") from None
+        raise ConfigValueError(f"model.tokenizer_path: cannot load a tokenizer from {path!r} ({e})") from None
 
 
 def build_datasets(run: RunConfig, tokenizer):

@@ -61,6 +61,9 @@ class RLTrainer:
         custom = (CustomRewardFunction(run.reward.custom_reward_path, run.reward.custom_reward_name)
                   if run.reward.custom_reward_path else None)
         self.rewards = RewardManager(custom, num_workers=run.reward.num_workers, strict=run.reward.strict)
+        datasets = [d for d in (self.train_data, self.val_data) if d is not None]
+        self.rewards.check_data_sources({item["data_source"] for d in datasets for item in d},
+                                        where=", ".join(f for d in datasets for f in getattr(d, "files", ())))
         a = run.algo
         self.kl_ctrl = (make_kl_controller(a.kl_ctrl_type, a.kl_coef, a.kl_target, a.kl_horizon)
                         if a.use_kl_in_reward else None)
