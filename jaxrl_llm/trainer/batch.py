@@ -142,13 +142,12 @@ def build_micro_batch(batch: TrainBatch, placements: list[tuple[int, int, int]],
         seq_ids[slot] = i
     used = seq_ids >= 0
     sel = np.where(used, seq_ids, 0)
+    keep = lambda x: np.where(used.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0).astype(x.dtype)  # empty slots: 0
     out = {"input_ids": ids, "positions": positions, "segment_ids": segments, "targets": targets,
-           "resp_pos": resp_pos, "seq_ids": seq_ids,
-           "response_mask": batch.response_mask[sel] * used[:, None],
-           "responses": batch.responses[sel] * used[:, None]}
+           "resp_pos": resp_pos, "seq_ids": seq_ids, "response_mask": keep(batch.response_mask[sel]),
+           "responses": keep(batch.responses[sel])}
     for name in fields:
-        value = batch.fields[name][sel]
-        out[name] = value * (used[:, None] if value.ndim == 2 else used)
+        out[name] = keep(batch.fields[name][sel])
     return out
 
 

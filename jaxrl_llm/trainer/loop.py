@@ -193,9 +193,11 @@ class RLTrainer:
             last = np.maximum(batch.response_lengths - 1, 0)
             tls[np.arange(len(batch)), last] = scores
             batch.fields["token_level_scores"] = tls
-            with timer("old_log_prob"):
-                old = worker.call("compute_log_prob", batch)
-            batch.fields["old_log_prob"] = old["old_log_prob"]
+            old = None
+            if worker.call("needs_old_log_prob"):
+                with timer("old_log_prob"):
+                    old = worker.call("compute_log_prob", batch)
+                batch.fields["old_log_prob"] = old["old_log_prob"]
             if worker.call("needs_ref_flag"):
                 with timer("ref"):
                     batch.fields["ref_log_prob"] = worker.call("compute_ref_log_prob", batch)
@@ -218,7 +220,8 @@ class RLTrainer:
                 metrics.update(worker.call("update_actor", batch, step))
             with timer("reshard"):
                 self.sync_weights(step + 1)
-        metrics["actor/entropy_rollout"] = float(np.sum(old["entropy"]) / max(batch.response_mask.sum(), 1))
+        if old is not None:
+            metrics["actor/entropy_rollout"] = float(np.sum(old["entropy"]) / max(batch.response_mask.sum(), 1))
         return self._step_metrics(metrics, batch, timer, step)
 
     def _replay_step(self, step: int) -> dict[str, float]:

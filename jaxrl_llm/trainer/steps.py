@@ -42,6 +42,7 @@ class ActorLossSettings:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     chunk_size: int = 8192
+    on_policy: bool = False  # one mini-batch, one epoch: the old log-probs are the current ones
 
 
 def gather_response(packed: jax.Array, resp_pos: jax.Array) -> jax.Array:
@@ -93,8 +94,9 @@ def actor_loss(params, graphdef, mb, norm: LossNorm, s: ActorLossSettings):
     model = nnx.merge(graphdef, params)
     logp, ent = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size, with_entropy=True)
     mask = mb["response_mask"]
+    old = jax.lax.stop_gradient(logp) if s.on_policy else mb["old_log_prob"]
     pg_loss, pg_metrics = compute_policy_loss_vanilla(
-        mb["old_log_prob"], logp, mb["advantages"], mask, clip_ratio_low=s.clip_ratio_low,
+        old, logp, mb["advantages"], mask, clip_ratio_low=s.clip_ratio_low,
         clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c, loss_agg_mode=s.loss_agg_mode, norm=norm)
     entropy = agg_loss(ent, mask, s.loss_agg_mode, norm=norm)
     loss = pg_loss - s.entropy_coeff * entropy

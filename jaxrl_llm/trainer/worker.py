@@ -158,11 +158,16 @@ class TrainerWorker:
         chunk = run.actor.logprob_chunk_size
         self.pack = self._pack_shape()
         self.logprob_fn = steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk, with_entropy=True)
+        # A step that is one mini-batch and one epoch is exactly on-policy (veRL's shortcut): the ratio is
+        # 1 by construction and the old-log-prob pass is skipped, unless the KL in the reward needs it.
+        self.on_policy = (run.actor.ppo_epochs == 1 and run.actor.ppo_mini_batch_size == run.data.train_batch_size
+                          and not run.algo.use_kl_in_reward)
         self.loss_settings = steps.ActorLossSettings(
             temperature=temp, clip_ratio_low=run.actor.low, clip_ratio_high=run.actor.high,
             clip_ratio_c=run.actor.clip_ratio_c, loss_agg_mode=run.actor.loss_agg_mode,
             entropy_coeff=run.actor.entropy_coeff, use_kl_loss=run.actor.use_kl_loss,
-            kl_loss_coef=run.actor.kl_loss_coef, kl_loss_type=run.actor.kl_loss_type, chunk_size=chunk)
+            kl_loss_coef=run.actor.kl_loss_coef, kl_loss_type=run.actor.kl_loss_type, chunk_size=chunk,
+            on_policy=self.on_policy)
         self.actor_grad = steps.make_grad_step(steps.actor_loss, self.actor_gd, self.actor_sh, s=self.loss_settings)
         self.actor_metrics0 = steps.make_metrics_init(steps.actor_loss, self.actor_gd, s=self.loss_settings)
         self.actor_apply = steps.make_apply_step(self.tx, self.actor_state_sh)
@@ -294,7 +299,7 @@ class TrainerWorker:
 
     def update_actor(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """PPO epochs x mini-batches of AdamW updates; `step` is the training step (for the LR)."""
-        fields = ["old_log_prob", "advantages"]
+        fields = ["advantages"] if self.on_policy else ["old_log_prob", "advantages"]
         if self.run.actor.use_kl_loss:
             fields.append("ref_log_prob")
         if "rollout_log_probs" in batch.fields:
@@ -381,6 +386,9 @@ class TrainerWorker:
 
     def needs_ref_flag(self) -> bool:
         return self.needs_ref
+
+    def needs_old_log_prob(self) -> bool:
+        return not self.on_policy
 
     def num_devices(self) -> int:
         return self.mesh.devices.size

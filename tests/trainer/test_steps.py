@@ -1,0 +1,130 @@
+"""One RL step in process: lr 0 is an exact no-op, a NaN gradient is skipped, nothing recompiles in
+the steady state, a failing reward function is counted, and a full disk at checkpoint time leaves the
+last good checkpoint intact."""
+
+import os
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm.checkpoint import CheckpointSaveError, RunCheckpointer
+from jaxrl_llm.trainer.loop import RLTrainer
+from tests.trainer import runs
+
+
+def _trainer(tmp_path, *params, steps=4):
+    return RLTrainer(runs.run_config("train.driver='inprocess'", *params, steps=steps, run_dir=tmp_path / "run"))
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_lr_zero_step_leaves_params_bit_identical(tmp_path):
+    # One mini-batch a step: exactly on-policy, so the old log-probs are the current ones.
+    trainer = _trainer(tmp_path, "actor.lr=0.0", "actor.lr_warmup_steps=0", "actor.ppo_mini_batch_size=8")
+    assert not trainer.worker.call("needs_old_log_prob")
+    w = trainer.worker.obj
+    before = _host(w.actor_state["params"])
+    m = trainer.train_step(next(trainer.iterator), 0)
+    assert _same(before, _host(w.actor_state["params"]))
+    assert m["actor/lr"] == 0.0 and m["actor/grad_norm"] > 0  # a real gradient, applied with lr 0
+    assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0 and m["actor/pg_clipfrac_lower"] == 0.0
+    assert "timing_s/old_log_prob" not in m
+    # Sampler vs trainer log-probs of the sampled tokens: the same fp32 weights, differently fused.
+    assert m["actor/logprob_gap_mean"] < 1e-6 and m["actor/logprob_gap_max"] < 1e-5
+
+
+def test_nan_gradient_skips_the_update(tmp_path):
+    trainer = _trainer(tmp_path)
+    w = trainer.worker.obj
+    prompts = next(trainer.iterator)
+    rollout = w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0))
+    from jaxrl_llm.trainer.loop import build_train_batch
+
+    batch = build_train_batch(prompts, rollout, trainer.run.data.max_response_length)
+    batch.fields["old_log_prob"] = w.compute_log_prob(batch)["old_log_prob"]
+    batch.fields["advantages"] = np.ones_like(batch.response_mask)
+    batch.fields["advantages"][0, 0] = np.nan  # one poisoned token in the first mini-batch
+    state_before = _host(w.actor_state)
+    m = w.update_actor(batch, 0)
+    assert m["actor/skipped_steps"] == 1.0  # of the 2 mini-batch updates, the poisoned one
+    after = _host(w.actor_state)
+    assert int(after["skipped"]) == 1 and int(after["step"]) == int(state_before["step"]) + 1
+    batch.fields["advantages"][0, 0] = np.inf
+    before = _host(w.actor_state)
+    only_bad = batch.select(np.arange(4))  # exactly one mini-batch, the poisoned one
+    w.update_actor(only_bad, 1)
+    after = _host(w.actor_state)
+    assert _same(before["params"], after["params"]) and _same(before["opt_state"], after["opt_state"])
+
+
+def test_no_recompiles_in_the_steady_state(tmp_path):
+    trainer = _trainer(tmp_path, "train.save_freq=1", steps=6)
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    for step in range(2):  # warm-up: every program is compiled here
+        trainer.train_step(next(trainer.iterator), step)
+        trainer.global_step = step + 1
+        trainer.save_checkpoint()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for step in range(2, 5):
+            trainer.train_step(next(trainer.iterator), step)
+            trainer.global_step = step + 1
+            trainer.save_checkpoint()
+        trainer.worker.call("wait_checkpoint")
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == [], f"{len(compiles)} compilations in steps 2-4"
+
+
+def test_failing_reward_function_is_counted_and_the_run_goes_on(tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text(textwrap.dedent("""
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            if solution_str.endswith("1"):
+                raise RuntimeError("boom")
+            if solution_str.endswith("2"):
+                return float("nan")
+            return 1.0 if solution_str.strip() == "#### " + ground_truth else 0.0
+    """))
+    trainer = _trainer(tmp_path, f"reward.custom_reward_path='{path}'")
+    m = trainer.train_step(next(trainer.iterator), 0)
+    assert m["reward/num_errors"] > 0 and m["reward/num_nonfinite"] > 0
+    assert np.isfinite(m["actor/pg_loss"]) and np.isfinite(m["critic/score/mean"])
+
+
+@pytest.mark.parametrize("fault", ["disk_full", "unwritable"])
+def test_checkpoint_failure_is_clear_and_keeps_the_last_good_one(tmp_path, monkeypatch, fault):
+    trainer = _trainer(tmp_path, "train.save_freq=1", steps=3)
+    ckpt = trainer.worker.obj.ckpt
+    trainer.train_step(next(trainer.iterator), 0)
+    trainer.global_step = 1
+    trainer.save_checkpoint()
+    trainer.worker.call("wait_checkpoint")
+    if fault == "disk_full":
+        def full(*a, **k):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(ckpt.manager, "save", full)
+    else:
+        monkeypatch.setattr(ckpt.manager, "save", lambda *a, **k: os.mkdir("/proc/jaxrl-cannot-write-here"))
+    trainer.train_step(next(trainer.iterator), 1)
+    trainer.global_step = 2
+    with pytest.raises(CheckpointSaveError, match=r"saving checkpoint step 2 .* failed .* earlier checkpoints \[1\]"):
+        trainer.save_checkpoint()
+    monkeypatch.undo()
+    again = RunCheckpointer(str(tmp_path / "run" / "checkpoints"), read_only=True)
+    assert again.steps() == [1]
+    step, actor, _, meta = again.restore_latest_valid(actor=trainer.worker.obj.actor_state)
+    assert step == 1 and meta["step"] == 1 and meta["data"]["position"] == 1
