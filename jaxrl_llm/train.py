@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "jax._src.xla_bridge", "tensorboardX"):  # orbax progress and backend probing
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     run_dir = None
     created = False
     try:

@@ -57,7 +57,9 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
                              dynamic_ncols=True, leave=True)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
+        """Writes one step's metrics; `advance=False` for lines that are not a training step (validation
+        before training)."""
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}) + "\n")
             self._jsonl.flush()
@@ -72,7 +74,7 @@ class MetricsLogger:
             parts = [f"{label} {metrics[k]:.4g}" for k, label in CONSOLE_KEYS if k in metrics]
             line = f"step {step} | " + " | ".join(parts)
             if self._bar is not None:
-                self._bar.update(1)
+                self._bar.update(int(advance))
                 self._bar.write(line)
             else:
                 print(line, flush=True)

@@ -277,7 +277,7 @@ class RLTrainer:
         try:
             if t.val_before_train and self.val_data is not None and self.global_step == 0:
                 val = self.validate()
-                self.logger.log(self.global_step, val)
+                self.logger.log(self.global_step, val, advance=False)
                 last.update(val)
             while self.global_step < self.total_steps:
                 prompts = next(self.iterator)
