@@ -457,6 +457,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="tiny shapes, to smoke-test on a CPU")
     ap.add_argument("--fsdp", type=int, default=-1, help="e2e mesh: fsdp size (-1: all devices)")
     ap.add_argument("--steps", type=int, default=3, help="e2e steps")
+    ap.add_argument("--append", default=None, help="also append the markdown table to this file (BENCHMARKS.md)")
     args = ap.parse_args()
     sections = {"ceilings", "attention", "parity", "logprob", "rollout", "train", "e2e", "sync"} \
         if args.sections == "all" \
@@ -494,6 +495,9 @@ def main() -> None:
     run("sync", sync, presets, args.small)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(markdown(RESULTS, meta))
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write("\n" + markdown(RESULTS, meta))
     print(markdown(RESULTS, meta))
 
 

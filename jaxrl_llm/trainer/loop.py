@@ -213,13 +213,7 @@ class RLTrainer:
                 self.kl_ctrl.update(adv["metrics"]["actor/reward_kl_penalty"], n_steps=len(prompts))
             if run.trainer.dump_batches:
                 self._dump_batch(batch, step)
-            if run.algo.uses_critic:
-                with timer("update_critic"):
-                    metrics.update(worker.call("update_critic", batch, step))
-            with timer("update_actor"):
-                metrics.update(worker.call("update_actor", batch, step))
-            with timer("reshard"):
-                self.sync_weights(step + 1)
+            self._update(batch, step, timer, metrics)
         if old is not None:
             metrics["actor/entropy_rollout"] = float(np.sum(old["entropy"]) / max(batch.response_mask.sum(), 1))
         return self._step_metrics(metrics, batch, timer, step)
@@ -227,19 +221,22 @@ class RLTrainer:
     def _replay_step(self, step: int) -> dict[str, float]:
         """Trains on a dumped batch instead of generating one: same start state and same batches give
         the same updates (batch dump and replay, for exact reproduction)."""
-        run, worker = self.run, self.worker
         timer = M.Timer()
         metrics: dict[str, float] = {}
         with timer("step"):
             batch = self._replayed_batch(step)
-            if run.algo.uses_critic:
-                with timer("update_critic"):
-                    metrics.update(worker.call("update_critic", batch, step))
-            with timer("update_actor"):
-                metrics.update(worker.call("update_actor", batch, step))
-            with timer("reshard"):
-                self.sync_weights(step + 1)
+            self._update(batch, step, timer, metrics)
         return self._step_metrics(metrics, batch, timer, step)
+
+    def _update(self, batch: TrainBatch, step: int, timer, metrics: dict) -> None:
+        """Critic then actor updates on the finished batch, then the new weights to the engine."""
+        if self.run.algo.uses_critic:
+            with timer("update_critic"):
+                metrics.update(self.worker.call("update_critic", batch, step))
+        with timer("update_actor"):
+            metrics.update(self.worker.call("update_actor", batch, step))
+        with timer("reshard"):
+            self.sync_weights(step + 1)
 
     def _step_metrics(self, metrics, batch: TrainBatch, timer, step: int) -> dict[str, float]:
         run = self.run

@@ -51,12 +51,13 @@ def test_ray_driver_with_jax_engine(tmp_path, algo):
     assert [r["step"] for r in runs.metrics(tmp_path / algo)] == [1, 2]
 
 
+# head_dim 32 (vLLM's CPU attention needs >= 32); fp32 so the trainer-sampler gap is small.
+VLLM_MODEL = "model.overrides={'vocab_size': 16, 'num_attention_heads': 2, 'num_key_value_heads': 1}"
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM and os.environ.get("JAXRL_REQUIRE_VLLM") != "1", reason="vllm is not installed")
 def test_vllm_engine_loop_survives_a_killed_actor(tmp_path):
-    # head_dim 32 (vLLM's CPU attention needs >= 32); fp32 so the trainer-sampler gap is small.
-    model = "model.overrides={'vocab_size': 16, 'num_attention_heads': 2, 'num_key_value_heads': 1}"
-    run = runs.run_config("rollout.engine='vllm'", "train.driver='inprocess'", model, steps=3,
+    run = runs.run_config("rollout.engine='vllm'", "train.driver='ray'", VLLM_MODEL, steps=3,
                           run_dir=tmp_path / "vllm")
     trainer = RLTrainer(run)
     try:
@@ -71,3 +72,13 @@ def test_vllm_engine_loop_survives_a_killed_actor(tmp_path):
         assert "val-core/arithmetic/reward/mean@1" in val
     finally:
         trainer.pool.shutdown()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM and os.environ.get("JAXRL_REQUIRE_VLLM") != "1", reason="vllm is not installed")
+def test_ppo_with_vllm_engine_under_ray(tmp_path):
+    run = runs.run_config("rollout.engine='vllm'", "train.driver='ray'", VLLM_MODEL, "algorithm.adv_estimator='gae'",
+                          "critic.lr=1e-3", "rollout.n=1", steps=2, run_dir=tmp_path / "ppo_vllm")
+    last = RLTrainer(run).fit()
+    _check_step_metrics(last, critic=True)
+    assert last["timing_s/reshard"] > 0 and os.path.isdir(tmp_path / "ppo_vllm" / "weights")

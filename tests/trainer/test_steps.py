@@ -128,3 +128,13 @@ def test_checkpoint_failure_is_clear_and_keeps_the_last_good_one(tmp_path, monke
     assert again.steps() == [1]
     step, actor, _, meta = again.restore_latest_valid(actor=trainer.worker.obj.actor_state)
     assert step == 1 and meta["step"] == 1 and meta["data"]["position"] == 1
+
+
+def test_reference_offloaded_to_host_gives_the_same_kl_loss(tmp_path):
+    kl = ("actor.use_kl_loss=True", "actor.kl_loss_coef=0.01")
+    a = _trainer(tmp_path / "a", *kl)
+    b = _trainer(tmp_path / "b", *kl, "train.ref_offload=True")
+    assert isinstance(jax.tree.leaves(b.worker.obj.ref_params)[0], np.ndarray)  # the frozen copy lives on the host
+    ma, mb = a.train_step(next(a.iterator), 0), b.train_step(next(b.iterator), 0)
+    for key in ("actor/kl_loss", "actor/pg_loss", "actor/grad_norm"):
+        assert ma[key] == mb[key], key
