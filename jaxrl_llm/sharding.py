@@ -136,13 +136,3 @@ def batch_sharding(mesh: Mesh, ndim: int, shape: Sequence[int] | None = None) ->
 
 def data_parallel_size(mesh: Mesh) -> int:
     return _mesh_size(mesh, RULES["batch"])
-
-
-def check_batch_fits(mesh: Mesh, batch_size: int, what: str = "batch") -> None:
-    """Batches are split over ("data", "fsdp"); a batch smaller than that cannot be placed."""
-    dp = data_parallel_size(mesh)
-    if batch_size % dp:
-        raise MeshError(
-            f"{what} size {batch_size} is not a multiple of the data-parallel size {dp} "
-            f"(mesh data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']}); use a batch that is, "
-            f"or a smaller mesh")

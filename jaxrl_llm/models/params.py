@@ -13,7 +13,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models.config import Qwen2Config
-from jaxrl_llm.models.hf_table import logical_axes_tree, param_table
+from jaxrl_llm.models.hf_table import logical_axes_tree
 from jaxrl_llm.models.qwen2 import Qwen2Critic, Qwen2ForCausalLM, abstract_model
 
 
@@ -57,23 +57,5 @@ def split_model(model: nnx.Module):
     return graphdef, nnx.to_pure_dict(state)
 
 
-def cast_params(params, dtype):
-    return jax.tree.map(lambda x: x.astype(dtype), params)
-
-
 def count_params(params) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
-
-
-def check_param_tree(cfg: Qwen2Config, params, *, critic: bool = False) -> None:
-    """Raises ValueError naming the first leaf whose path or shape differs from the config's."""
-    for row in param_table(cfg, critic=critic):
-        node = params
-        for key in row.path:
-            if not isinstance(node, dict) or key not in node:
-                raise ValueError(f"params: missing {'/'.join(row.path)}")
-            node = node[key]
-        if tuple(node.shape) != row.shape(cfg):
-            raise ValueError(f"params: {'/'.join(row.path)} has shape {tuple(node.shape)}, "
-                             f"the config needs {row.shape(cfg)}")
-

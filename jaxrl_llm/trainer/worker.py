@@ -12,7 +12,6 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxrl_llm import sharding
 from jaxrl_llm.algorithms import LossNorm, apply_kl_penalty, get_adv_estimator_fn
@@ -207,11 +206,14 @@ class TrainerWorker:
     def _forward(self, fn, params, batch: TrainBatch, keys) -> dict[str, np.ndarray]:
         out = {k: np.zeros(batch.responses.shape, np.float32) for k in keys}
         with jax.set_mesh(self.mesh):
-            for seq_ids, mb in self._micro_batches(batch, ()):
-                res = jax.device_get(fn(params, mb))
-                used = seq_ids >= 0
-                for k in keys:
-                    out[k][seq_ids[used]] = res[k][used]
+            # Dispatch every micro-batch before fetching any result, so the host packs the next
+            # micro-batch while the device computes.
+            pending = [(seq_ids, fn(params, mb)) for seq_ids, mb in self._micro_batches(batch, ())]
+        for seq_ids, res in pending:
+            res = jax.device_get(res)
+            used = seq_ids >= 0
+            for k in keys:
+                out[k][seq_ids[used]] = res[k][used]
         for k in keys:
             out[k] *= batch.response_mask
         return out
@@ -286,11 +288,9 @@ class TrainerWorker:
                             metrics = metrics0(state["params"], mb, norm)
                         grads, metrics = grad_fn(state["params"], grads, metrics, mb, norm)
                     state, applied = apply_fn(state, grads)
-                    m = jax.device_get(metrics)
-                    m[f"{prefix}/grad_norm"] = jax.device_get(applied["grad_norm"])
-                    m[f"{prefix}/skipped_steps"] = jax.device_get(applied["skipped"])
-                    m[f"{prefix}/lr"] = lr
-                    history.append(m)
+                    history.append((metrics, applied))  # fetched after the last update: no sync here
+        history = [{**m, f"{prefix}/grad_norm": a["grad_norm"], f"{prefix}/skipped_steps": a["skipped"],
+                    f"{prefix}/lr": lr} for m, a in jax.device_get(history)]
         out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
         out[f"{prefix}/skipped_steps"] = float(sum(h[f"{prefix}/skipped_steps"] for h in history))
         if "actor/logprob_gap_max" in out:
@@ -397,6 +397,3 @@ class TrainerWorker:
         from jaxrl_llm.trainer.metrics import peak_tflops
 
         return peak_tflops(self.run.trainer.peak_tflops)
-
-    def actor_model(self) -> nnx.Module:
-        return nnx.merge(self.actor_gd, self.actor_state["params"])
