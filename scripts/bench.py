@@ -235,7 +235,7 @@ def rollout(presets, batches, small: bool, new_tokens: int = 232):
         params = None
 
 
-def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat: str, fsdp: int = -1,
+def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat: str, fsdp: int = -1, tensor: int = 1,
              max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run",
              max_batch: int = 4096):
     from jaxrl_llm.trainer import config as C
@@ -253,6 +253,7 @@ def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat
                             kl_loss_coef=0.001, kl_loss_type="low_var_kl"),
         critic=C.CriticConfig(), algo=C.AlgoConfig(adv_estimator="grpo"), reward=C.RewardConfig(),
         trainer=C.TrainerConfig(run_dir=run_dir, logger=("jsonl",), driver="inprocess", mesh_fsdp=fsdp,
+                                mesh_tensor=tensor,
                                 progress_bar=False, total_training_steps=3)).validate()
 
 
@@ -347,16 +348,16 @@ def train(presets, small: bool, remat_list):
             worker = params = None  # free the device memory before the next model
 
 
-def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1):
+def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1):
     from jaxrl_llm.trainer.loop import RLTrainer
 
     for preset in presets:
         # The seed run's per-GPU share (128 prompts x 5) times the devices in the mesh.
-        n_dev = jax.device_count() if fsdp == -1 else fsdp
+        n_dev = jax.device_count() if fsdp == -1 else fsdp * tensor
         n_prompts, n = (8 * n_dev, 2) if small else (128 * n_dev, 5)
         run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else 32768,
                        remat="full", small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
-                       run_dir=tempfile.mkdtemp(), fsdp=fsdp,
+                       run_dir=tempfile.mkdtemp(), fsdp=fsdp, tensor=tensor,
                        max_batch=4096 * n_dev)
         trainer = RLTrainer(run)
         engine = trainer.worker.obj.engine
@@ -368,13 +369,24 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1):
             return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens)
 
         engine.generate = capped
+        compile_s = [0.0]
+
+        def on_duration(event, duration, compile_s=compile_s, **_):
+            if event.endswith("backend_compile_duration"):
+                compile_s[0] += duration
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
         for step in range(steps):
+            compile_s[0] = 0.0
             t0 = time.perf_counter()
             m = trainer.train_step(next(trainer.iterator), step)
             wall = time.perf_counter() - t0
             keep = {k: v for k, v in m.items() if k.startswith(("timing_s/", "perf/")) or k in (
                 "response_length/mean", "response_length/max", "prompt_length/mean", "actor/grad_norm")}
-            emit(section="e2e", preset=preset, step=step, devices=n_dev, wall_s=wall, prompts=n_prompts, n=n, **keep)
+            mesh = "x".join(f"{k}{v}" for k, v in trainer.worker.obj.mesh.shape.items() if v > 1) or "1"
+            emit(section="e2e", preset=preset, mesh=mesh, step=step, devices=n_dev, wall_s=wall, compile_s=compile_s[0],
+                 prompts=n_prompts, n=n, **keep)
+        jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
 def sync(presets, small: bool):
@@ -455,7 +467,8 @@ def main() -> None:
     ap.add_argument("--torch_results", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     ap.add_argument("--small", action="store_true", help="tiny shapes, to smoke-test on a CPU")
-    ap.add_argument("--fsdp", type=int, default=-1, help="e2e mesh: fsdp size (-1: all devices)")
+    ap.add_argument("--fsdp", type=int, default=-1, help="e2e mesh: fsdp size (-1: the devices left by --tensor)")
+    ap.add_argument("--tensor", type=int, default=1, help="e2e mesh: tensor-parallel size")
     ap.add_argument("--steps", type=int, default=3, help="e2e steps")
     ap.add_argument("--append", default=None, help="also append the markdown table to this file (BENCHMARKS.md)")
     args = ap.parse_args()
@@ -491,7 +504,7 @@ def main() -> None:
     run("logprob", logprob, args.small)
     run("rollout", rollout, presets, batches, args.small)
     run("train", train, train_presets, args.small, args.remat.split(","))
-    run("e2e", e2e, train_presets, args.small, args.steps, args.fsdp)
+    run("e2e", e2e, train_presets, args.small, args.steps, args.fsdp, args.tensor)
     run("sync", sync, presets, args.small)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(markdown(RESULTS, meta))

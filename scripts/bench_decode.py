@@ -6,6 +6,9 @@
 * attention: decode attention as einsum (batched matmul) vs multiply-reduce, at the preset's shape.
 * sampling: categorical over [B, V] with threefry vs rbg keys, and inverse-CDF sampling.
 * profile: a jax.profiler trace of a few decode steps, summarised as the top kernels by time.
+* seed: the seed run's per-GPU generation (128 prompts x 5, response lengths drawn to its
+  distribution, max 1,024 tokens) with the engine's phase trace, for each decode schedule in
+  `--schedules`; then a kernel profile of one such generation.
 """
 
 from __future__ import annotations
@@ -40,8 +43,15 @@ def timeit(fn, *args, iters=20, warm_s=0.5):
     return float(np.median(ts))
 
 
+OUT_FILE: str | None = None
+
+
 def emit(**row):
-    print(json.dumps(row), flush=True)
+    line = json.dumps(row)
+    print(line, flush=True)
+    if OUT_FILE:
+        with open(OUT_FILE, "a") as f:
+            f.write(line + "\n")
 
 
 def ceilings():
@@ -110,23 +120,8 @@ def sampling(cfg, batch):
     emit(section="sampling", what="lm_head_matmul", batch=batch, us=dt * 1e6, tb_s=lmh.nbytes / dt / 1e12)
 
 
-def profile(cfg, batch, out_dir):
-    from jaxrl_llm.models import init_params
-    from jaxrl_llm.rollout import JaxEngine, SamplingParams
-    from scripts.bench_common import gsm8k_prompts
-
-    params = init_params(cfg, seed=0)
-    eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=batch, gen_bucket=256)
-    prompts = gsm8k_prompts(batch)
-    sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=64, ignore_eos=True)
-    eng.generate(prompts, sp)
-    t0 = time.perf_counter()
-    eng.generate(prompts, sp)
-    emit(section="profile", what="generate 64 tokens (timed)", seconds=time.perf_counter() - t0)
-    trace_dir = os.path.join("/tmp", "trace")
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-    eng.generate(prompts, sp)
-    jax.profiler.stop_trace()
+def summarize_trace(trace_dir: str, top: int = 30, section: str = "profile"):
+    """Top GPU kernels by time in the perfetto trace under `trace_dir`."""
     files = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
     with gzip.open(files[0]) as f:
         trace = json.load(f)
@@ -145,11 +140,82 @@ def profile(cfg, batch, out_dir):
             span[0] = min(span[0], e["ts"])
             span[1] = max(span[1], e["ts"] + e.get("dur", 0.0))
     busy = sum(totals.values())
-    emit(section="profile", all_pids=list(pids.values())[:12], gpu_pids=[pids[p] for p in gpu_pids],
-         kernel_busy_ms=busy / 1e3,
+    emit(section=section, gpu_pids=[pids[p] for p in gpu_pids], kernel_busy_ms=busy / 1e3,
          span_ms=(span[1] - span[0]) / 1e3, kernels=sum(count.values()))
-    for name, tot in sorted(totals.items(), key=lambda kv: -kv[1])[:30]:
-        emit(section="profile_kernel", name=name, total_ms=tot / 1e3, calls=count[name], share=tot / busy)
+    for name, tot in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+        emit(section=section + "_kernel", name=name, total_ms=tot / 1e3, calls=count[name], share=tot / busy)
+
+
+def seed_generation(cfg, schedules: list[str], prompts_per_gpu: int = 128, n: int = 5, repeats: int = 3,
+                    do_profile: bool = True):
+    """The seed step's generation on one GPU, per decode schedule ("double" or "seg<K>")."""
+    from jaxrl_llm.models import init_params
+    from jaxrl_llm.rollout import JaxEngine, SamplingParams
+    from scripts.bench_common import gsm8k_prompts, seed_response_lengths
+
+    compile_s = [0.0]
+
+    def on_duration(event, duration, **_):
+        if event.endswith("backend_compile_duration"):
+            compile_s[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    params = init_params(cfg, seed=0)
+    # Each repeat takes the next prompts (as each training step does), so its longest prompt differs.
+    pool = gsm8k_prompts(prompts_per_gpu * (repeats + 1))
+    sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=1024, ignore_eos=True)
+    for sched in schedules:
+        seg = None if sched == "double" else int(sched.removeprefix("seg"))
+        eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=4096, max_prompt_length=512,
+                        max_segment=seg)
+        eng.trace = True
+        for rep in range(repeats + 1):
+            prompts = pool[rep * prompts_per_gpu:(rep + 1) * prompts_per_gpu]
+            lens = seed_response_lengths(len(prompts) * n, seed=rep)
+            compile_s[0] = 0.0
+            t0 = time.perf_counter()
+            out = eng.generate(prompts, sp.replace(seed=rep), max_new_tokens_per_row=lens)
+            dt = time.perf_counter() - t0
+            assert np.array_equal(out.lengths, lens)
+            decode = [r for r in eng.last_trace if r["phase"] == "decode"]
+            row_steps = sum(r["rows"] * (r["t1"] - r["t0"]) for r in decode)
+            emit(section="seed_gen", schedule=sched, rep=rep, compile_s=compile_s[0], seconds=dt,
+                 tokens=int(lens.sum()), tokens_per_s=float(lens.sum() / dt), row_steps=row_steps,
+                 row_step_efficiency=float(lens.sum() / row_steps),
+                 by_phase={ph: round(sum(r["seconds"] for r in eng.last_trace if r["phase"] == ph), 3)
+                           for ph in ("prefill", "decode", "grow", "compact")})
+            if rep == repeats:
+                for r in eng.last_trace:
+                    ms = r["seconds"] / max(1, r.get("t1", 1) - r.get("t0", 0)) * 1e3
+                    emit(section="seed_gen_trace", schedule=sched, ms_per_step=ms, **r)
+        if do_profile and sched == schedules[0]:
+            eng.trace = False
+            trace_dir = os.path.join("/tmp", "trace_seed")
+            jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+            eng.generate(prompts, sp, max_new_tokens_per_row=seed_response_lengths(len(prompts) * n, seed=0))
+            jax.profiler.stop_trace()
+            summarize_trace(trace_dir, section="seed_profile")
+        eng = None
+
+
+def profile(cfg, batch, out_dir):
+    from jaxrl_llm.models import init_params
+    from jaxrl_llm.rollout import JaxEngine, SamplingParams
+    from scripts.bench_common import gsm8k_prompts
+
+    params = init_params(cfg, seed=0)
+    eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=batch, gen_bucket=256)
+    prompts = gsm8k_prompts(batch)
+    sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=64, ignore_eos=True)
+    eng.generate(prompts, sp)
+    t0 = time.perf_counter()
+    eng.generate(prompts, sp)
+    emit(section="profile", what="generate 64 tokens (timed)", seconds=time.perf_counter() - t0)
+    trace_dir = os.path.join("/tmp", "trace")
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    eng.generate(prompts, sp)
+    jax.profiler.stop_trace()
+    summarize_trace(trace_dir)
 
 
 def main():
@@ -158,8 +224,14 @@ def main():
     ap.add_argument("--preset", default="qwen2p5_7b")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--sections", default="ceilings,attention,sampling,profile")
+    ap.add_argument("--schedules", default="double,seg128", help="seed: decode schedules to compare")
+    ap.add_argument("--no_profile", action="store_true", help="seed: skip the kernel profile")
+    ap.add_argument("--seed_prompts", type=int, default=128, help="seed: prompts (x 5 responses)")
     args = ap.parse_args()
-    extra = {"vocab_size": 151936} if args.preset == "tiny" else {}
+    global OUT_FILE
+    os.makedirs(args.out, exist_ok=True)
+    OUT_FILE = os.path.join(args.out, "decode.jsonl")
+    extra = {"vocab_size": 151936, "max_position_embeddings": 2048} if args.preset == "tiny" else {}
     cfg = PRESETS[args.preset](dtype="bfloat16", param_dtype="bfloat16", **extra)
     s = args.sections.split(",")
     if "ceilings" in s:
@@ -170,6 +242,9 @@ def main():
         sampling(cfg, args.batch)
     if "profile" in s:
         profile(cfg, args.batch, args.out)
+    if "seed" in s:
+        seed_generation(cfg, args.schedules.split(","), prompts_per_gpu=args.seed_prompts,
+                        do_profile=not args.no_profile)
 
 
 if __name__ == "__main__":

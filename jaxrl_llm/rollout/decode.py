@@ -8,6 +8,10 @@ so decode attention is a batched matmul over contiguous [C, H] tiles.
 
 Glossary: R response rows (= prompts x n), P padded prompt length, C cache capacity (P + generated
 capacity), D model, F mlp, K kv-heads, G = N // K, H head dim, V vocab.
+
+A row's cache holds its left-padded prompt in slots [P - len, P) and its response from slot P on. P is
+a traced value, not a shape: the compiled programs depend only on (R, C), so batches whose longest
+prompts differ reuse them.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ def alloc_caches(rows: int, capacity: int, spec: DecodeSpec, dtype):
     return [(z(), z()) for _ in range(spec.num_layers)]
 
 
-def prefill_into(eparams, caches, ids, mask, row0, *, spec: DecodeSpec, n: int, prompt_slots: int):
+def prefill_into(eparams, caches, ids, mask, row0, prompt_slots, *, spec: DecodeSpec, n: int):
     """Runs a sub-batch of prompts and writes its K/V into the shared caches.
 
     Prompts of similar length are prefilled together at their own padded length Ps, then written
@@ -108,7 +112,8 @@ def prefill_into(eparams, caches, ids, mask, row0, *, spec: DecodeSpec, n: int, 
 
     Args:
       caches: list of (k, v) [R, K, C, H] (donated by the caller's jit).
-      ids: [B, Ps] left-padded prompt ids; mask: [B, Ps] 1 for real tokens; row0: int32 scalar.
+      ids: [B, Ps] left-padded prompt ids; mask: [B, Ps] 1 for real tokens.
+      row0, prompt_slots: int32 scalars (P = prompt_slots >= Ps).
     Returns:
       caches, and logits of each prompt's last token [B, V] fp32.
     """
@@ -118,6 +123,7 @@ def prefill_into(eparams, caches, ids, mask, row0, *, spec: DecodeSpec, n: int, 
     idx = jnp.broadcast_to(jnp.arange(ps, dtype=jnp.int32), (b, ps))
     attn_mask = segment_mask(mask, mask, idx, idx)
     x = jnp.take(eparams["embed"], ids, axis=0)
+    at = (row0, 0, prompt_slots - ps, 0)
     new = []
     for lp, (kc, vc) in zip(eparams["layers"], caches):
 
@@ -125,7 +131,6 @@ def prefill_into(eparams, caches, ids, mask, row0, *, spec: DecodeSpec, n: int, 
             out = dot_product_attention(q, k, v, mask=attn_mask, lengths=None, impl="xla")
             k = jnp.repeat(k.transpose(0, 2, 1, 3), n, axis=0).astype(kc.dtype)  # [B n, K, Ps, H]
             v = jnp.repeat(v.transpose(0, 2, 1, 3), n, axis=0).astype(vc.dtype)
-            at = (row0, 0, prompt_slots - ps, 0)
             return out, (jax.lax.dynamic_update_slice(kc, k, at), jax.lax.dynamic_update_slice(vc, v, at))
 
         x, kv = _layer(lp, x, cos, sin, attend, spec)
@@ -184,19 +189,20 @@ def first_token(logits, key, prompt_lens, row_max, row_ids, *, spec: DecodeSpec,
                 row_max=row_max)
 
 
-def decode_segment(eparams, state, caches, prompt_mask, t_end, *, spec: DecodeSpec):
+def decode_segment(eparams, state, caches, prompt_start, prompt_slots, t_end, *, spec: DecodeSpec):
     """Decodes steps t in [state.t, t_end) or until every row has stopped.
 
     Step t feeds token t-1 (written to cache slot P + t - 1) and samples token t.
 
     Args:
       state: the loop state of `first_token` (tokens [R, T_max], logps, done [R], lengths, t, key).
-      caches: list of (k, v) [R, K, C, H]; prompt_mask: [R, P] bool.
+      caches: list of (k, v) [R, K, C, H]; t_end <= C - P + 1.
+      prompt_start: [R] int32, each row's first prompt slot (P - prompt length); prompt_slots: P.
     Returns:
       (state, caches) after the segment.
     """
-    p = prompt_mask.shape[1]
     capacity = caches[0][0].shape[2]
+    slot_ids = jnp.arange(capacity, dtype=jnp.int32)[None, :]
 
     def cond(carry):
         st, _ = carry
@@ -208,10 +214,8 @@ def decode_segment(eparams, state, caches, prompt_mask, t_end, *, spec: DecodeSp
         tok_in = jax.lax.dynamic_index_in_dim(st["tokens"], t - 1, axis=1, keepdims=False)  # [R]
         positions = (st["prompt_lens"] + t - 1)[:, None]  # [R, 1]
         cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta)
-        gen_valid = jnp.arange(capacity - p) < t  # slots P .. P + t - 1
-        valid = jnp.concatenate([prompt_mask, jnp.broadcast_to(gen_valid, (prompt_mask.shape[0],
-                                                                           capacity - p))], axis=1)
-        slot = p + t - 1
+        slot = prompt_slots + t - 1
+        valid = (slot_ids >= prompt_start[:, None]) & (slot_ids <= slot)  # the prompt, then slots P .. P + t - 1
         x = jnp.take(eparams["embed"], tok_in[:, None], axis=0)  # [R, 1, D]
         new_cs = []
         for lp, (kc, vc) in zip(eparams["layers"], cs):
@@ -248,16 +252,25 @@ def grow_caches(caches, new_capacity: int):
     return out
 
 
-def compact(state, caches, prompt_mask, sel, filler, capacity: int):
-    """Keeps rows `sel` [R'] of the running batch and grows the caches to `capacity`.
+def compact(state, caches, prompt_start, sel, filler, capacity: int, shards: int = 1):
+    """Keeps rows `sel` of the running batch and grows the caches to `capacity`.
 
-    Rows where `filler` is True pad the batch to its bucket; they are marked done.
+    With `shards` > 1 the batch axis is split into that many equal blocks (its data-parallel
+    shards) and `sel` [shards, R' / shards] indexes rows *within* each block, so every device keeps
+    rows it already holds and no cache crosses devices. Rows where `filler` [R'] is True pad the
+    blocks to equal size; they are marked done.
     """
     rows = state["done"].shape[0]
-    take = lambda x: jnp.take(x, sel, axis=0)
+    sel = sel.reshape(shards, -1)
+
+    def take(x):
+        blocks = x.reshape(shards, rows // shards, *x.shape[1:])
+        picked = jax.vmap(lambda b, i: jnp.take(b, i, axis=0))(blocks, sel)
+        return picked.reshape(-1, *x.shape[1:])
+
     state = {k: (take(v) if v.ndim and v.shape[0] == rows else v) for k, v in state.items()}
     state["done"] = state["done"] | filler
     caches = grow_caches([(take(k), take(v)) for k, v in caches], capacity)
     caches = [(sharding.constrain(k, ("batch", "act_kv_heads", None, None)),
                sharding.constrain(v, ("batch", "act_kv_heads", None, None))) for k, v in caches]
-    return state, caches, take(prompt_mask)
+    return state, caches, take(prompt_start)

@@ -3,8 +3,11 @@
 * Prompts are left-padded to a bucket of `prompt_bucket` tokens; the `n` responses of a prompt
   share its prefill (the caches are repeated n times after it).
 * Decoding runs in segments: the cache starts with `gen_bucket` generation slots and doubles when a
-  segment fills it, so attention reads about as many slots as there are tokens, and only a few
-  programs are compiled per prompt bucket.
+  segment fills it (growing by at most `max_segment` slots at a time), so attention reads about as
+  many slots as there are tokens, and only a few programs are compiled per prompt bucket. Between
+  segments, finished rows are dropped once the live ones fit in half the batch.
+* `trace = True` records each phase's rows, cache slots and seconds in `last_trace` (it waits for the
+  device after each phase, so leave it off outside benchmarks).
 * Weight sync is in memory: the trainer's params are cast and resharded to the engine layout
   (`sharding.ENGINE_RULES`) by one jitted function.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections.abc import Sequence
 
 import gin
@@ -50,17 +54,25 @@ class JaxEngine:
       dtype: engine weights, activations and KV cache dtype.
       max_prompt_length: longest accepted prompt.
       max_batch_size: most response rows decoded together; larger requests run in chunks.
+      prompt_bucket: prompt slots are a multiple of this.
+      gen_bucket: generation slots of the first decode segment.
+      max_segment: most slots a later segment adds (None: segments keep doubling).
+      prefill_batch: prompts prefilled together (one device).
     """
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None,
                  dtype: str = "bfloat16", max_prompt_length: int = 1024, max_batch_size: int = 1024,
-                 prompt_bucket: int = 32, gen_bucket: int = 128, prefill_batch: int = 64):
+                 prompt_bucket: int = 32, gen_bucket: int = 128, max_segment: int | None = None,
+                 prefill_batch: int = 64):
         self.cfg = cfg.replace(dtype=dtype, param_dtype=dtype, remat="none", attention_impl="xla")
         self.mesh = mesh
         self.max_prompt_length = max_prompt_length
         self.max_batch_size = max_batch_size
         self.prompt_bucket = prompt_bucket
         self.gen_bucket = gen_bucket
+        self.max_segment = max_segment
+        self.trace = False
+        self.last_trace: list[dict] = []
         self.prefill_batch = prefill_batch
         self.version = 0
         self._dp = sharding.data_parallel_size(mesh) if mesh is not None else 1
@@ -133,26 +145,25 @@ class JaxEngine:
     def _alloc(self, *, rows, capacity, spec):
         return decode.alloc_caches(rows, capacity, spec, jnp.dtype(self.cfg.dtype))
 
-    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "n", "prompt_slots"),
-                       donate_argnums=(2,))
-    def _prefill(self, eparams, caches, ids, mask, row0, *, spec, n, prompt_slots):
-        return decode.prefill_into(eparams, caches, ids, mask, row0, spec=spec, n=n, prompt_slots=prompt_slots)
+    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "n"), donate_argnums=(2,))
+    def _prefill(self, eparams, caches, ids, mask, row0, prompt_slots, *, spec, n):
+        return decode.prefill_into(eparams, caches, ids, mask, row0, prompt_slots, spec=spec, n=n)
 
     @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "n"))
     def _first(self, logits, key, prompt_lens, row_max, row_ids, *, spec, n):
         return decode.first_token(logits, key, prompt_lens, row_max, row_ids, spec=spec, n=n)
 
     @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2, 3))
-    def _decode(self, eparams, state, caches, prompt_mask, t_end, *, spec):
-        return decode.decode_segment(eparams, state, caches, prompt_mask, t_end, spec=spec)
+    def _decode(self, eparams, state, caches, start, prompt_slots, t_end, *, spec):
+        return decode.decode_segment(eparams, state, caches, start, prompt_slots, t_end, spec=spec)
 
     @functools.partial(jax.jit, static_argnums=(0, 2))
     def _grow(self, caches, capacity):
         return decode.grow_caches(caches, capacity)
 
     @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("capacity",))
-    def _compact(self, state, caches, prompt_mask, sel, filler, *, capacity):
-        return decode.compact(state, caches, prompt_mask, sel, filler, capacity)
+    def _compact(self, state, caches, start, sel, filler, *, capacity):
+        return decode.compact(state, caches, start, sel, filler, capacity, shards=sel.shape[0])
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                  max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
@@ -179,6 +190,7 @@ class JaxEngine:
                 raise RolloutError(f"max_new_tokens_per_row has {row_max.size} values; need len(prompts) * n = "
                                    f"{len(prompts) * n}")
         key = jax.random.key(sampling.seed)
+        self.last_trace = []
         for start in range(0, len(order), per_chunk):
             chunk = order[start:start + per_chunk]
             rows = (np.asarray(chunk)[:, None] * n + np.arange(n)[None, :]).reshape(-1)
@@ -209,9 +221,11 @@ class JaxEngine:
         rmax[: b * n] = row_max
         ids_all = np.full(bp * n, -1, np.int32)
         ids_all[: b * n] = row_ids
-        prompt_mask = np.arange(slots)[None, :] >= (slots - np.repeat(lens, n))[:, None]  # [R, P]
+        start = np.repeat(slots - lens, n).astype(np.int32)  # [R] first prompt slot of each row
+        clock = _Clock(self.trace, self.last_trace)
         with self._mesh_ctx():
-            caches = self._alloc(rows=bp * n, capacity=slots + cap, spec=spec)
+            capacity = self._capacity(slots, cap)
+            caches = self._alloc(rows=bp * n, capacity=capacity, spec=spec)
             logits = []
             for s0 in range(0, bp, sub):
                 group = rows[s0:s0 + sub]
@@ -223,47 +237,101 @@ class JaxEngine:
                     mask[i, ps - len(src):] = 1
                 caches, lg = self._prefill(self.params, caches, jax.device_put(ids, self._batch_sharding(2)),
                                            jax.device_put(mask, self._batch_sharding(2)), np.int32(s0 * n),
-                                           spec=spec, n=n, prompt_slots=slots)
+                                           np.int32(slots), spec=spec, n=n)
                 logits.append(lg)
             logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
             state = self._first(logits, key, jax.device_put(lens, self._batch_sharding(1)),
                                 jax.device_put(rmax, self._batch_sharding(1)),
                                 jax.device_put(ids_all, self._batch_sharding(1)), spec=spec, n=n)
-            prompt_mask = jax.device_put(prompt_mask, self._batch_sharding(2))
-            # Rows of the running batch -> rows of this chunk; outputs land in host arrays as rows leave.
+            start = jax.device_put(start, self._batch_sharding(1))
+            clock.mark(state, phase="prefill", rows=bp * n, prompt_slots=slots)
+            # Rows of the running batch -> rows of this chunk (-1: a filler row); outputs land in host
+            # arrays as rows leave.
             index = np.arange(bp * n)
             tokens = np.full((bp * n, spec.max_new_tokens), spec.pad_id, np.int32)
             logps = np.zeros((bp * n, spec.max_new_tokens), np.float32)
             lengths = np.zeros(bp * n, np.int32)
 
-            def collect(rows):
+            def collect():
                 tok, lp, ln = jax.device_get((state["tokens"], state["logps"], state["lengths"]))
-                tokens[index[:rows]], logps[index[:rows]], lengths[index[:rows]] = tok[:rows], lp[:rows], ln[:rows]
+                keep = index >= 0
+                tokens[index[keep]], logps[index[keep]], lengths[index[keep]] = tok[keep], lp[keep], ln[keep]
 
-            live = bp * n
+            t = 1
             while True:
-                t_end = min(cap + 1, spec.max_new_tokens)
-                state, caches = self._decode(self.params, state, caches, prompt_mask,
-                                             jnp.asarray(t_end, jnp.int32), spec=spec)
-                t, done = jax.device_get((state["t"], state["done"]))
+                t_end = min(capacity - slots + 1, spec.max_new_tokens)
+                state, caches = self._decode(self.params, state, caches, start, np.int32(slots),
+                                             np.int32(t_end), spec=spec)
+                t0, (t, done) = t, jax.device_get((state["t"], state["done"]))
+                clock.mark(None, phase="decode", t0=int(t0), t1=int(t), rows=int(done.shape[0]),
+                           live=int((~done).sum()), slots=capacity)
                 if done.all() or t >= spec.max_new_tokens:
                     break
-                cap = min(2 * cap, _next_pow2(spec.max_new_tokens))
-                active = np.nonzero(~done[:live])[0]
-                rows = _round_up(_next_pow2(len(active)), self._dp)
-                if rows <= done.shape[0] // 2:
-                    # Most rows have stopped: keep only the live ones (a power-of-two bucket), so the
-                    # rest of the decode reads their KV cache alone; done in the same copy as the growth.
-                    collect(live)
-                    sel = np.concatenate([active, np.repeat(active[:1], rows - len(active))]).astype(np.int32)
-                    filler = np.arange(rows) >= len(active)
-                    state, caches, prompt_mask = self._compact(state, caches, prompt_mask, sel, filler,
-                                                               capacity=slots + cap)
-                    index, live = index[active], len(active)
+                grown = 2 * cap if self.max_segment is None else min(2 * cap, cap + self.max_segment)
+                cap = min(grown, _round_up(spec.max_new_tokens, self.gen_bucket))
+                capacity = self._capacity(slots, max(cap, t + 1))
+                plan = _compaction(done, self._dp)
+                if plan is not None:
+                    # Most rows have stopped: keep only the live ones (a power-of-two bucket per data
+                    # shard), so the rest of the decode reads their KV cache alone; done in the same
+                    # copy as the growth.
+                    collect()
+                    sel, filler = plan
+                    state, caches, start = self._compact(state, caches, start, sel, filler, capacity=capacity)
+                    index = np.where(filler, -1, index[_global_rows(sel, done.shape[0])])
+                    clock.mark(caches, phase="compact", rows=int(filler.size))
                 else:
-                    caches = self._grow(caches, slots + cap)
-            collect(live)
+                    caches = self._grow(caches, capacity)
+                    clock.mark(caches, phase="grow", rows=int(done.shape[0]))
+            collect()
         return tokens[: b * n], logps[: b * n], lengths[: b * n]
+
+    def _capacity(self, slots: int, gen: int) -> int:
+        """Cache slots for `slots` prompt slots and `gen` generated tokens, on a ladder of `gen_bucket`
+        steps: batches whose longest prompts differ a little share one compiled program."""
+        return _round_up(slots + gen, self.gen_bucket)
+
+
+def _compaction(done: np.ndarray, shards: int):
+    """Rows to keep when the live rows of every data shard fit in half its rows, else None.
+
+    Returns (sel [shards, b] row indices within each shard, filler [shards * b] bool): each shard
+    keeps its live rows, padded to the same power of two b by repeating one of its rows.
+    """
+    per = done.reshape(shards, -1)
+    live = [np.nonzero(~d)[0] for d in per]
+    b = _next_pow2(max(1, max(len(x) for x in live)))
+    if shards * b > done.size // 2:
+        return None
+    sel = np.zeros((shards, b), np.int32)
+    filler = np.ones((shards, b), bool)
+    for i, rows in enumerate(live):
+        sel[i, :len(rows)] = rows
+        sel[i, len(rows):] = rows[0] if len(rows) else 0
+        filler[i, :len(rows)] = False
+    return sel, filler.reshape(-1)
+
+
+def _global_rows(sel: np.ndarray, rows: int) -> np.ndarray:
+    """Per-shard row indices [shards, b] -> indices into the whole batch [shards * b]."""
+    shards = sel.shape[0]
+    return (sel + (np.arange(shards) * (rows // shards))[:, None]).reshape(-1)
+
+
+class _Clock:
+    """Seconds per generation phase, appended to `out` when `on` (each mark waits for `value`)."""
+
+    def __init__(self, on: bool, out: list):
+        self.on, self.out = on, out
+        self.t = time.perf_counter() if on else 0.0
+
+    def mark(self, value, **record):
+        if not self.on:
+            return
+        jax.block_until_ready(value)
+        now = time.perf_counter()
+        self.out.append(dict(record, seconds=now - self.t))
+        self.t = now
 
 
 def _abstract_layer(cfg: Qwen2Config) -> dict:

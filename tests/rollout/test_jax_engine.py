@@ -188,3 +188,61 @@ def test_compacting_finished_rows_keeps_outputs(hf_and_model):
     np.testing.assert_array_equal(a.lengths, caps)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+
+
+def test_data_parallel_compaction_matches_one_device(hf_and_model):
+    """On a data x fsdp x tensor mesh every shard compacts its own rows; outputs equal one device's."""
+    _, model = hf_and_model
+    params = split_model(model)[1]
+    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=4)
+    caps = [20, 2, 2, 2, 2, 2, 2, 2, 3, 2, 2, 2, 2, 2, 2, 17]  # shards 0 and 3 keep one live row each
+    mesh = sharding.make_mesh(2, 2, 2)
+    sharded = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=2, mesh=mesh)
+    sharded.trace = True
+    a = sharded.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
+    assert [r["rows"] for r in sharded.last_trace if r["phase"] == "compact"] == [4]
+    b = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=32, max_batch_size=4).generate(
+        PROMPTS, sp, max_new_tokens_per_row=caps)
+    np.testing.assert_array_equal(a.lengths, caps)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+
+
+def test_compaction_program_moves_no_data_between_devices():
+    from jaxrl_llm.rollout import decode
+
+    mesh = sharding.make_mesh(2, 2, 2)
+    rows, shards = 16, 4
+    batch = lambda *shape: jax.device_put(jnp.zeros((rows, *shape)), sharding.named_sharding(
+        mesh, ("batch",) + (None,) * len(shape), (rows, *shape)))
+    cache = jax.device_put(jnp.zeros((rows, 2, 12, 8)), sharding.named_sharding(
+        mesh, ("batch", "act_kv_heads", None, None), (rows, 2, 12, 8)))
+    state = {"done": batch().astype(bool), "tokens": batch(20), "t": jnp.int32(3)}
+    sel = np.array([[0], [1], [2], [3]], np.int32)
+    with jax.set_mesh(mesh):
+        fn = jax.jit(lambda st, c, s, f: decode.compact(st, c, s, sel, f, 16, shards=shards))
+        hlo = fn.lower(state, [(cache, cache)], batch().astype(jnp.int32), np.zeros(shards, bool)).compile().as_text()
+    for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
+        assert op not in hlo, op
+
+
+def test_batches_with_other_prompt_lengths_reuse_compiled_programs(hf_and_model):
+    """The prompt region is a traced value: a batch with longer prompts in the same capacity step
+    compiles only its prefill (the decode, growth and sampling programs are reused)."""
+    _, model = hf_and_model
+    eng = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", prompt_bucket=8, gen_bucket=32)
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, ignore_eos=True)
+    compiles = []
+
+    def listener(event, duration, **_):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(_.get("fun_name", "?"))
+
+    eng.generate([[5, 6, 7], [8, 9]], sp)  # prompt slots 8
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        out = eng.generate([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [8, 9]], sp)  # prompt slots 16
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert out.lengths.tolist() == [10] * 4
+    assert [c.removeprefix("jit(").rstrip(")") for c in compiles] == ["_prefill"]
