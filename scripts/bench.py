@@ -348,15 +348,16 @@ def train(presets, small: bool, remat_list):
             worker = params = None  # free the device memory before the next model
 
 
-def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1):
+def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, remat: str = "full",
+        budget: int = 32768):
     from jaxrl_llm.trainer.loop import RLTrainer
 
     for preset in presets:
         # The seed run's per-GPU share (128 prompts x 5) times the devices in the mesh.
         n_dev = jax.device_count() if fsdp == -1 else fsdp * tensor
         n_prompts, n = (8 * n_dev, 2) if small else (128 * n_dev, 5)
-        run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else 32768,
-                       remat="full", small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
+        run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else budget,
+                       remat=remat, small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
                        run_dir=tempfile.mkdtemp(), fsdp=fsdp, tensor=tensor,
                        max_batch=4096 * n_dev)
         trainer = RLTrainer(run)
@@ -384,8 +385,8 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1):
             keep = {k: v for k, v in m.items() if k.startswith(("timing_s/", "perf/")) or k in (
                 "response_length/mean", "response_length/max", "prompt_length/mean", "actor/grad_norm")}
             mesh = "x".join(f"{k}{v}" for k, v in trainer.worker.obj.mesh.shape.items() if v > 1) or "1"
-            emit(section="e2e", preset=preset, mesh=mesh, step=step, devices=n_dev, wall_s=wall, compile_s=compile_s[0],
-                 prompts=n_prompts, n=n, **keep)
+            emit(section="e2e", preset=preset, mesh=mesh, remat=remat, step=step, devices=n_dev, wall_s=wall,
+                 compile_s=compile_s[0], prompts=n_prompts, n=n, **keep)
         jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
@@ -468,6 +469,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     ap.add_argument("--small", action="store_true", help="tiny shapes, to smoke-test on a CPU")
     ap.add_argument("--fsdp", type=int, default=-1, help="e2e mesh: fsdp size (-1: the devices left by --tensor)")
+    ap.add_argument("--token_budget", type=int, default=32768, help="e2e: ppo_max_token_len_per_gpu")
     ap.add_argument("--tensor", type=int, default=1, help="e2e mesh: tensor-parallel size")
     ap.add_argument("--steps", type=int, default=3, help="e2e steps")
     ap.add_argument("--append", default=None, help="also append the markdown table to this file (BENCHMARKS.md)")
@@ -504,7 +506,8 @@ def main() -> None:
     run("logprob", logprob, args.small)
     run("rollout", rollout, presets, batches, args.small)
     run("train", train, train_presets, args.small, args.remat.split(","))
-    run("e2e", e2e, train_presets, args.small, args.steps, args.fsdp, args.tensor)
+    run("e2e", e2e, train_presets, args.small, args.steps, args.fsdp, args.tensor, args.remat.split(",")[0],
+        args.token_budget)
     run("sync", sync, presets, args.small)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(markdown(RESULTS, meta))
