@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxrl_llm.models import Qwen2Config, init_params, load_hf  # noqa: E402
 from jaxrl_llm.models.config import PRESETS  # noqa: E402
 from jaxrl_llm.trainer.metrics import veRL_flops  # noqa: E402
-from scripts.bench_common import REPO, data_dir, gsm8k_prompts, seed_response_lengths  # noqa: E402
+from scripts.bench_common import REPO, data_dir, gsm8k_prompts, seed_response_lengths, timeit  # noqa: E402
 
 RESULTS: list[dict] = []
 # Roofline and MFU denominators: the hardware as torch's copy and cuBLAS matmul reach it on this GPU
@@ -52,22 +52,6 @@ def emit(**row):
     row = {k: (float(v) if isinstance(v, np.floating) else v) for k, v in row.items()}
     RESULTS.append(row)
     print(json.dumps(row), flush=True)
-
-
-def timeit(fn, *args, warmup: int = 1, iters: int = 5, warm_s: float = 0.0) -> float:
-    """Median wall seconds of `fn(*args)` with the result synchronised (after `warmup` calls and at
-    least `warm_s` seconds of them, so the clocks are up)."""
-    t_end = time.perf_counter() + warm_s
-    for i in range(10 ** 6):
-        jax.block_until_ready(fn(*args))
-        if i + 1 >= warmup and time.perf_counter() >= t_end:
-            break
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def compiled_gb(jitted, *args) -> float:

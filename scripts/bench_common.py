@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 
 import numpy as np
 
@@ -74,3 +75,21 @@ def hf_config_dict(preset: str) -> dict:
     cfg.pop("architectures", None)
     cfg.pop("model_type", None)
     return cfg
+
+
+def timeit(fn, *args, warmup: int = 1, iters: int = 5, warm_s: float = 0.0) -> float:
+    """Median wall seconds of `fn(*args)` with the result synchronised (after `warmup` calls and at
+    least `warm_s` seconds of them, so the clocks are up)."""
+    import jax
+
+    t_end = time.perf_counter() + warm_s
+    for i in range(10 ** 6):
+        jax.block_until_ready(fn(*args))
+        if i + 1 >= warmup and time.perf_counter() >= t_end:
+            break
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))

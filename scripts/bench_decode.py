@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import gzip
 import json
@@ -29,18 +30,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxrl_llm.models.config import PRESETS  # noqa: E402
+from scripts.bench_common import timeit as _timeit  # noqa: E402
 
-
-def timeit(fn, *args, iters=20, warm_s=0.5):
-    t_end = time.perf_counter() + warm_s
-    while time.perf_counter() < t_end:
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+timeit = functools.partial(_timeit, iters=20, warm_s=0.5)
 
 
 OUT_FILE: str | None = None
