@@ -140,7 +140,8 @@ def summarize_trace(trace_dir: str, top: int = 30, section: str = "profile"):
 
 def seed_generation(cfg, schedules: list[str], prompts_per_gpu: int = 128, n: int = 5, repeats: int = 3,
                     do_profile: bool = True):
-    """The seed step's generation on one GPU, per decode schedule ("double" or "seg<K>")."""
+    """The seed step's generation on one GPU, per decode schedule ("every<K>": look for finished
+    rows to drop every K steps; "every0": only when the cache grows)."""
     from jaxrl_llm.models import init_params
     from jaxrl_llm.rollout import JaxEngine, SamplingParams
     from scripts.bench_common import gsm8k_prompts, seed_response_lengths
@@ -157,9 +158,8 @@ def seed_generation(cfg, schedules: list[str], prompts_per_gpu: int = 128, n: in
     pool = gsm8k_prompts(prompts_per_gpu * (repeats + 1))
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=1024, ignore_eos=True)
     for sched in schedules:
-        seg = None if sched == "double" else int(sched.removeprefix("seg"))
         eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=4096, max_prompt_length=512,
-                        max_segment=seg)
+                        compact_every=int(sched.removeprefix("every")))
         eng.trace = True
         for rep in range(repeats + 1):
             prompts = pool[rep * prompts_per_gpu:(rep + 1) * prompts_per_gpu]
@@ -216,7 +216,7 @@ def main():
     ap.add_argument("--preset", default="qwen2p5_7b")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--sections", default="ceilings,attention,sampling,profile")
-    ap.add_argument("--schedules", default="double,seg128", help="seed: decode schedules to compare")
+    ap.add_argument("--schedules", default="every0,every64", help="seed: decode schedules to compare")
     ap.add_argument("--no_profile", action="store_true", help="seed: skip the kernel profile")
     ap.add_argument("--seed_prompts", type=int, default=128, help="seed: prompts (x 5 responses)")
     args = ap.parse_args()

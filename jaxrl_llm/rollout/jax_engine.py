@@ -3,9 +3,10 @@
 * Prompts are left-padded to a bucket of `prompt_bucket` tokens; the `n` responses of a prompt
   share its prefill (the caches are repeated n times after it).
 * Decoding runs in segments: the cache starts with `gen_bucket` generation slots and doubles when a
-  segment fills it (growing by at most `max_segment` slots at a time), so attention reads about as
-  many slots as there are tokens, and only a few programs are compiled per prompt bucket. Between
-  segments, finished rows are dropped once the live ones fit in half the batch.
+  segment fills it, so attention reads about as many slots as there are tokens. Every
+  `compact_every` steps (and at each growth), finished rows are dropped once the live ones fit a
+  smaller power-of-two batch. Shapes come from small ladders (rows: powers of two; cache slots:
+  multiples of `gen_bucket`), so a training run compiles a handful of programs and then reuses them.
 * `trace = True` records each phase's rows, cache slots and seconds in `last_trace` (it waits for the
   device after each phase, so leave it off outside benchmarks).
 * Weight sync is in memory: the trainer's params are cast and resharded to the engine layout
@@ -56,13 +57,14 @@ class JaxEngine:
       max_batch_size: most response rows decoded together; larger requests run in chunks.
       prompt_bucket: prompt slots are a multiple of this.
       gen_bucket: generation slots of the first decode segment.
-      max_segment: most slots a later segment adds (None: segments keep doubling).
+      compact_every: decode steps between checks for finished rows to drop (0: only when the
+        cache grows).
       prefill_batch: prompts prefilled together (one device).
     """
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None,
                  dtype: str = "bfloat16", max_prompt_length: int = 1024, max_batch_size: int = 1024,
-                 prompt_bucket: int = 32, gen_bucket: int = 128, max_segment: int | None = None,
+                 prompt_bucket: int = 32, gen_bucket: int = 128, compact_every: int = 64,
                  prefill_batch: int = 64):
         self.cfg = cfg.replace(dtype=dtype, param_dtype=dtype, remat="none", attention_impl="xla")
         self.mesh = mesh
@@ -70,7 +72,7 @@ class JaxEngine:
         self.max_batch_size = max_batch_size
         self.prompt_bucket = prompt_bucket
         self.gen_bucket = gen_bucket
-        self.max_segment = max_segment
+        self.compact_every = compact_every
         self.trace = False
         self.last_trace: list[dict] = []
         self.prefill_batch = prefill_batch
@@ -260,6 +262,8 @@ class JaxEngine:
             t = 1
             while True:
                 t_end = min(capacity - slots + 1, spec.max_new_tokens)
+                if self.compact_every:
+                    t_end = min(t_end, t + self.compact_every)
                 state, caches = self._decode(self.params, state, caches, start, np.int32(slots),
                                              np.int32(t_end), spec=spec)
                 t0, (t, done) = t, jax.device_get((state["t"], state["done"]))
@@ -267,20 +271,21 @@ class JaxEngine:
                            live=int((~done).sum()), slots=capacity)
                 if done.all() or t >= spec.max_new_tokens:
                     break
-                grown = 2 * cap if self.max_segment is None else min(2 * cap, cap + self.max_segment)
-                cap = min(grown, _round_up(spec.max_new_tokens, self.gen_bucket))
-                capacity = self._capacity(slots, max(cap, t + 1))
+                full = slots + t > capacity  # step t writes slot P + t - 1
+                if full:
+                    cap = min(2 * cap, _round_up(spec.max_new_tokens, self.gen_bucket))
+                    capacity = self._capacity(slots, max(cap, t + 1))
                 plan = _compaction(done, self._dp)
                 if plan is not None:
-                    # Most rows have stopped: keep only the live ones (a power-of-two bucket per data
-                    # shard), so the rest of the decode reads their KV cache alone; done in the same
-                    # copy as the growth.
+                    # The live rows fit a smaller power-of-two bucket in every data shard: keep only
+                    # them, so the rest of the decode computes and reads K/V for them alone (in the
+                    # same copy as the growth, when the cache is full).
                     collect()
                     sel, filler = plan
                     state, caches, start = self._compact(state, caches, start, sel, filler, capacity=capacity)
                     index = np.where(filler, -1, index[_global_rows(sel, done.shape[0])])
                     clock.mark(caches, phase="compact", rows=int(filler.size))
-                else:
+                elif full:
                     caches = self._grow(caches, capacity)
                     clock.mark(caches, phase="grow", rows=int(done.shape[0]))
             collect()
@@ -293,7 +298,7 @@ class JaxEngine:
 
 
 def _compaction(done: np.ndarray, shards: int):
-    """Rows to keep when the live rows of every data shard fit in half its rows, else None.
+    """Rows to keep when the live rows of every data shard fit a smaller power of two, else None.
 
     Returns (sel [shards, b] row indices within each shard, filler [shards * b] bool): each shard
     keeps its live rows, padded to the same power of two b by repeating one of its rows.
@@ -301,7 +306,7 @@ def _compaction(done: np.ndarray, shards: int):
     per = done.reshape(shards, -1)
     live = [np.nonzero(~d)[0] for d in per]
     b = _next_pow2(max(1, max(len(x) for x in live)))
-    if shards * b > done.size // 2:
+    if shards * b >= done.size:
         return None
     sel = np.zeros((shards, b), np.int32)
     filler = np.ones((shards, b), bool)

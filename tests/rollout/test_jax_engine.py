@@ -246,3 +246,24 @@ def test_batches_with_other_prompt_lengths_reuse_compiled_programs(hf_and_model)
         jax.monitoring.unregister_event_duration_listener(listener)
     assert out.lengths.tolist() == [10] * 4
     assert [c.removeprefix("jit(").rstrip(")") for c in compiles] == ["_prefill"]
+
+
+def test_compaction_between_growths_keeps_outputs(hf_and_model):
+    """With `compact_every`, rows leave as soon as the live ones fit a smaller power of two, without
+    waiting for the cache to fill; outputs equal a run that never compacts."""
+    _, model = hf_and_model
+    params = split_model(model)[1]
+    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=4)
+    caps = [20, 2, 2, 2, 2, 2, 2, 2, 9, 2, 2, 2, 2, 2, 2, 17]
+    eng = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=32, compact_every=4)
+    eng.trace = True
+    a = eng.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
+    phases = [(r["phase"], r["rows"]) for r in eng.last_trace if r["phase"] != "decode"]
+    assert phases == [("prefill", 16), ("compact", 4), ("compact", 2), ("compact", 1)]  # checks at t = 5, 9, 17
+    never = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=32, compact_every=0)
+    never.trace = True
+    b = never.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
+    assert [r["phase"] for r in never.last_trace] == ["prefill", "decode"]
+    np.testing.assert_array_equal(a.lengths, caps)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
