@@ -53,6 +53,7 @@ class RLTrainer:
     def __init__(self, run: RunConfig, *, operative_config: str = ""):
         self.run = run
         self.run_dir = run.trainer.run_dir
+        resolve_resume(run.trainer.resume_mode, self.run_dir)  # a bad path fails before any work
         os.makedirs(self.run_dir, exist_ok=True)
         self.tokenizer = load_tokenizer(run)
         self.train_data, self.val_data, self.iterator = build_datasets(run, self.tokenizer)
@@ -72,9 +73,14 @@ class RLTrainer:
         self.global_step = 0
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         self.worker.call("open_checkpointer", self.ckpt_dir, t.max_checkpoints_to_keep)
-        self._resume()
-        self._save_tokenizer()
-        self.pool = self._make_vllm_pool() if run.rollout.engine == "vllm" else None
+        try:
+            self._resume()
+            self._save_tokenizer()
+            self.pool = self._make_vllm_pool() if run.rollout.engine == "vllm" else None
+        except BaseException:
+            # Let Orbax's background threads finish before the caller may remove the run dir.
+            self.worker.call("close_checkpointer")
+            raise
         self.logger = MetricsLogger(self.run_dir, t.logger, total_steps=self.total_steps, start_step=self.global_step,
                                     project=t.project_name, experiment=t.experiment_name,
                                     progress_bar=t.progress_bar)

@@ -345,6 +345,10 @@ class TrainerWorker:
         self.ckpt = RunCheckpointer(directory, max_to_keep=max_to_keep)
         return self.ckpt.steps()
 
+    def close_checkpointer(self) -> None:
+        """Waits for pending saves and stops the checkpoint manager's threads."""
+        self.ckpt.close()
+
     def save_checkpoint(self, step: int, meta: dict) -> None:
         """Starts an async save of the train states (the device-to-host copy happens here)."""
         self.ckpt.save(step, actor=self.actor_state, critic=self.critic_state, meta=meta)
