@@ -56,7 +56,7 @@ class JaxEngine:
       max_prompt_length: longest accepted prompt.
       max_batch_size: most response rows decoded together; larger requests run in chunks.
       prompt_bucket: prompt slots are a multiple of this.
-      gen_bucket: generation slots of the first decode segment.
+      gen_bucket: generation slots of the first decode segment; cache capacities are multiples of it.
       compact_every: decode steps between checks for finished rows to drop (0: only when the
         cache grows).
       prefill_batch: prompts prefilled together (one device).
