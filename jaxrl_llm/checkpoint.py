@@ -22,6 +22,8 @@ import time
 import jax
 import orbax.checkpoint as ocp
 
+from jaxrl_llm import distributed
+
 log = logging.getLogger(__name__)
 
 
@@ -92,12 +94,16 @@ class RunCheckpointer:
         """The newest checkpoint that restores cleanly, falling back past broken ones; None if none."""
         steps = self.steps()
         for i, step in enumerate(reversed(steps)):
+            error = None
             try:
                 restored = self.restore(step, actor=actor, critic=critic)
             except Exception as e:  # a truncated or corrupted file surfaces as many error types
+                error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            # Each process reads only its own shards: all of them must have read theirs.
+            errors = [x for x in distributed.allgather_objects(error) if x is not None]
+            if errors:
                 older = steps[-i - 2] if len(steps) > i + 1 else None
-                log.warning("checkpoint step %d in %s is unreadable (%s: %s); %s", step, self.directory,
-                            type(e).__name__, str(e).splitlines()[0][:200],
+                log.warning("checkpoint step %d in %s is unreadable (%s); %s", step, self.directory, errors[0],
                             f"resuming from step {older} instead" if older is not None else "no older one")
                 continue
             if i:
@@ -107,17 +113,19 @@ class RunCheckpointer:
 
     def set_aside_after(self, step: int) -> list[str]:
         """Moves checkpoints newer than `step` out of the step sequence (renamed, not deleted): after a
-        resume from `step` they belong to an abandoned timeline, and would collide with new saves."""
-        moved = []
-        for s in self.steps():
-            if s > step:
-                src = os.path.join(self.directory, str(s))
-                dst = os.path.join(self.directory, f"set-aside-step{s}-{int(time.time())}")
-                os.rename(src, dst)
-                moved.append(dst)
-        if moved:
-            self.manager.reload()
+        resume from `step` they belong to an abandoned timeline, and would collide with new saves.
+        In a multi-process run process 0 moves them, and every process then sees the same steps."""
+        newer = [s for s in self.steps() if s > step]
+        if not newer:
+            return []
+        stamp = int(time.time())
+        moved = [os.path.join(self.directory, f"set-aside-step{s}-{stamp}") for s in newer]
+        if distributed.is_main():
+            for s, dst in zip(newer, moved):
+                os.rename(os.path.join(self.directory, str(s)), dst)
             log.warning("moved checkpoints newer than the resume step %d aside: %s", step, moved)
+        distributed.barrier(f"set_aside_{step}")
+        self.manager.reload()
         return moved
 
     def close(self) -> None:

@@ -71,6 +71,11 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
             "train.mesh_tensor; -1 takes the remaining devices)")
     sizes = [len(devices) // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != len(devices):
+        if jax.process_count() > 1:
+            raise MeshError(
+                f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}) uses {math.prod(sizes)} of the "
+                f"{len(devices)} devices of this {jax.process_count()}-process run; a multi-process mesh must "
+                "use every device (set one of train.mesh_data / mesh_fsdp / mesh_tensor to -1)")
         devices = devices[: math.prod(sizes)]
     arr = np.asarray(devices, dtype=object).reshape(sizes)
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

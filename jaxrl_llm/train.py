@@ -4,6 +4,11 @@ Flags: `--gin_file` (repeatable), `--gin_param` (repeatable), and the t5x shorth
 `--gin.train.total_epochs=3`. Config errors (a bad binding, an unknown name, a missing required
 value, an invalid value) fail in the first second, before any model is loaded, with one line that
 names the binding. The operative config is written to `<run_dir>/operative_config.gin`.
+
+Several processes (one per host or per GPU; SLURM, mpirun, `python -m jaxrl_llm.launch`) each run this
+command with `--coordinator_address`, `--num_processes` and `--process_id` (or the environment variables
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; SLURM's are read too). With
+`train.driver = 'ray'` and `train.num_processes > 1`, one command starts the processes as Ray actors.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     parser.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
     parser.add_argument("--log_level", default="INFO")
+    parser.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0 (multi-process)")
+    parser.add_argument("--num_processes", type=int, default=None, help="processes in the run")
+    parser.add_argument("--process_id", type=int, default=None, help="this process's index, 0-based")
+    parser.add_argument("--local_device_ids", default=None, help="this process's devices, e.g. 0,1")
     args, rest = parser.parse_known_args(argv)
     for arg in rest:  # t5x shorthand: --gin.train.total_epochs=3
         if arg.startswith("--gin.") and "=" in arg:
@@ -83,6 +92,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that describe bad input (printed as one line), as opposed to bugs (tracebacks)."""
     from jaxrl_llm.checkpoint import CheckpointSaveError
     from jaxrl_llm.data import DataError
+    from jaxrl_llm.distributed import DistributedError
     from jaxrl_llm.models import CheckpointError, ConfigError
     from jaxrl_llm.rewards import RewardConfigError, RewardError
     from jaxrl_llm.rollout import RolloutError
@@ -90,7 +100,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from jaxrl_llm.trainer.config import ConfigValueError
 
     return (DataError, CheckpointError, ConfigError, ConfigValueError, RewardConfigError, RewardError, RolloutError,
-            MeshError, CheckpointSaveError, FileNotFoundError, UsageError)
+            MeshError, CheckpointSaveError, FileNotFoundError, UsageError, DistributedError)
 
 
 def _one_line(e: BaseException) -> str:
@@ -99,32 +109,85 @@ def _one_line(e: BaseException) -> str:
     return " / ".join(line for line in lines if line and not line.startswith("In call to configurable"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-    except UsageError as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(level: str, process_id: int = 0) -> None:
+    """Process 0 logs at `level`; the other processes of a run only warnings and errors, tagged."""
+    tag = f"[p{process_id}] " if process_id else ""
+    logging.basicConfig(level=level if process_id == 0 else "WARNING", force=True,
+                        format=f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge", "tensorboardX"):  # orbax progress and backend probing
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def enable_compilation_cache(path: str) -> None:
+    """JAX's persistent compilation cache in `path` ("" = off): a repeated or resumed run loads its
+    compiled programs instead of compiling them again."""
+    if not path:
+        return
+    import jax
+
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        log.warning("train.compilation_cache_dir %s is not usable (%s); compiling without a cache", path, e)
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def run_process(run, operative_config: str, spec) -> dict:
+    """One process of a run: joins the others (if any), then builds the trainer and trains."""
+    from jaxrl_llm import distributed
+    from jaxrl_llm.trainer.loop import RLTrainer
+
+    distributed.initialize(spec, heartbeat_timeout_s=run.trainer.heartbeat_timeout_s)
+    enable_compilation_cache(run.trainer.compilation_cache_dir)
+    trainer = RLTrainer(run, operative_config=operative_config, inprocess=spec.multi)
+    return trainer.fit()
+
+
+def main(argv: list[str] | None = None) -> int:
+    # The trainer owns its GPUs (a vLLM pool runs in other processes): let XLA use more of the memory
+    # than its 75% default, which decides whether remat 'dots' fits (model.remat = 'auto').
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        from jaxrl_llm import distributed
+
+        spec = distributed.spec_from_env(args.coordinator_address, args.num_processes, args.process_id,
+                                         args.local_device_ids)
+    except (UsageError, ValueError) as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    setup_logging(args.log_level, spec.process_id)
     run_dir = None
     created = False
     try:
         run = parse_config(args.gin_file, args.gin_param)
         run_dir = run.trainer.run_dir
-        created = not os.path.exists(run_dir)
-        from jaxrl_llm.trainer.loop import RLTrainer
-
+        # Checked before the processes join, so no other process of this run has made it yet.
+        created = not os.path.exists(run_dir) and spec.process_id == 0
+        n = run.trainer.num_processes
+        if spec.multi and n not in (1, spec.num_processes):
+            raise UsageError(f"train.num_processes={n} but {spec.num_processes} processes were started "
+                             "(--num_processes); make them agree or leave train.num_processes at 1")
         try:
-            trainer = RLTrainer(run, operative_config=gin.config_str())
+            if not spec.multi and n > 1:
+                if run.trainer.driver != "ray":
+                    raise UsageError(f"train.num_processes={n} with train.driver='inprocess': start the processes "
+                                     f"with `python -m jaxrl_llm.launch --num_processes {n} -- <these flags>` (or "
+                                     "once per host with --coordinator_address/--num_processes/--process_id), "
+                                     "or use train.driver='ray'")
+                from jaxrl_llm.trainer.spmd_ray import fit_on_ray
+
+                fit_on_ray(run, gin.config_str(), log_level=args.log_level)
+            else:
+                run_process(run, gin.config_str(), spec)
         except BaseException:
-            if created:  # setup failed: leave no run dir behind (a rerun would otherwise find a stub)
+            if created and _is_stub(run_dir):  # failed before any step was logged or saved: leave no stub
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        with open(os.path.join(run_dir, "operative_config.gin"), "w") as f:
-            f.write(gin.config_str())
-        trainer.fit()
     except UsageError as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -132,6 +195,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _is_stub(run_dir: str) -> bool:
+    """A run dir with nothing a rerun or a reader needs: no checkpoint, no logged step."""
+    ckpt = os.path.join(run_dir, "checkpoints")
+    if os.path.isdir(ckpt) and os.listdir(ckpt):
+        return False
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    return not (os.path.exists(metrics) and os.path.getsize(metrics) > 0)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@ Sections (comma-separated, or "all"):
 
 Everything runs on random weights (never zeros) at the real Qwen2.5 shapes. `--small` swaps in tiny
 shapes to smoke-test the script on a CPU.
+
+Multi-process (one process per GPU, as a multi-host run would be): start it with the launcher,
+  python -m jaxrl_llm.launch --num_processes 4 --gpus_per_process 1 --module scripts.bench -- --sections e2e ...
+Every process runs the benchmark; process 0 writes the results. `--compile_cache DIR` turns on JAX's
+persistent compilation cache (a second run with the same DIR measures the warm start).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import traceback
 
 import numpy as np
 
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # as the trainer's CLI sets it
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -51,7 +57,8 @@ ATTENTION = {"impl": "auto"}  # set to "xla" if the cuDNN self-check fails
 def emit(**row):
     row = {k: (float(v) if isinstance(v, np.floating) else v) for k, v in row.items()}
     RESULTS.append(row)
-    print(json.dumps(row), flush=True)
+    if jax.process_index() == 0:
+        print(json.dumps(row), flush=True)
 
 
 def compiled_gb(jitted, *args) -> float:
@@ -367,10 +374,12 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
             m = trainer.train_step(next(trainer.iterator), step)
             wall = time.perf_counter() - t0
             keep = {k: v for k, v in m.items() if k.startswith(("timing_s/", "perf/")) or k in (
-                "response_length/mean", "response_length/max", "prompt_length/mean", "actor/grad_norm")}
+                "response_length/mean", "response_length/max", "prompt_length/mean", "actor/grad_norm", "actor/pg_loss",
+                "actor/kl_loss", "actor/entropy", "critic/score/mean")}
             mesh = "x".join(f"{k}{v}" for k, v in trainer.worker.obj.mesh.shape.items() if v > 1) or "1"
-            emit(section="e2e", preset=preset, mesh=mesh, remat=remat, step=step, devices=n_dev, wall_s=wall,
-                 compile_s=compile_s[0], prompts=n_prompts, n=n, **keep)
+            emit(section="e2e", preset=preset, mesh=mesh, remat=remat, step=step, devices=n_dev,
+                 processes=jax.process_count(), wall_s=wall, compile_s=compile_s[0], prompts=n_prompts, n=n,
+                 budget=budget, **keep)
         jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
@@ -448,7 +457,7 @@ def main() -> None:
     ap.add_argument("--presets", default="qwen2p5_0p5b,qwen2p5_1p5b,qwen2p5_7b")
     ap.add_argument("--train_presets", default="qwen2p5_0p5b,qwen2p5_1p5b")
     ap.add_argument("--batches", default="64,256,1024")
-    ap.add_argument("--remat", default="full")
+    ap.add_argument("--remat", default="full", help="full, dots, none, or auto (the trainer's default)")
     ap.add_argument("--torch_results", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     ap.add_argument("--small", action="store_true", help="tiny shapes, to smoke-test on a CPU")
@@ -457,7 +466,13 @@ def main() -> None:
     ap.add_argument("--tensor", type=int, default=1, help="e2e mesh: tensor-parallel size")
     ap.add_argument("--steps", type=int, default=3, help="e2e steps")
     ap.add_argument("--append", default=None, help="also append the markdown table to this file (BENCHMARKS.md)")
+    ap.add_argument("--compile_cache", default="", help="JAX persistent compilation cache dir ('' = off)")
     args = ap.parse_args()
+    from jaxrl_llm import distributed
+    from jaxrl_llm.train import enable_compilation_cache
+
+    distributed.initialize(distributed.spec_from_env())  # the launcher's processes join here
+    enable_compilation_cache(args.compile_cache)
     sections = {"ceilings", "attention", "parity", "logprob", "rollout", "train", "e2e", "sync"} \
         if args.sections == "all" \
         else set(args.sections.split(","))
@@ -468,8 +483,11 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
-            "n_devices": jax.device_count(), "jax": jax.__version__, "commit": commit}
+            "n_devices": jax.device_count(), "processes": jax.process_count(), "jax": jax.__version__,
+            "commit": commit}
     print(json.dumps(meta), flush=True)
+
+    main_process = jax.process_index() == 0
 
     def run(name, fn, *a):
         if name not in sections:
@@ -479,8 +497,9 @@ def main() -> None:
         except Exception as e:
             traceback.print_exc()
             emit(section=name, error=f"{type(e).__name__}: {str(e)[:300]}")
-        with open(os.path.join(args.out, "bench.json"), "w") as f:
-            json.dump({"meta": meta, "results": RESULTS}, f, indent=1)
+        if main_process:
+            with open(os.path.join(args.out, "bench.json"), "w") as f:
+                json.dump({"meta": meta, "results": RESULTS}, f, indent=1)
 
     run("ceilings", ceilings, args.small)
     run("attention", attention, args.small)
@@ -493,6 +512,8 @@ def main() -> None:
     run("e2e", e2e, train_presets, args.small, args.steps, args.fsdp, args.tensor, args.remat.split(",")[0],
         args.token_budget)
     run("sync", sync, presets, args.small)
+    if not main_process:
+        return
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(markdown(RESULTS, meta))
     if args.append:

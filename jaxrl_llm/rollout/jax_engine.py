@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from jaxrl_llm import sharding
+from jaxrl_llm import distributed, sharding
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.models.params import param_shardings
 from jaxrl_llm.rollout import decode
@@ -126,6 +126,10 @@ class JaxEngine:
     # ---- generation ----------------------------------------------------------------------------
     def _mesh_ctx(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else _null_ctx()
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """A host array (the same on every process) split over the engine's data-parallel devices."""
+        return distributed.put(x, self._batch_sharding(x.ndim))
 
     def _batch_sharding(self, ndim):
         if self.mesh is None:
@@ -237,15 +241,12 @@ class JaxEngine:
                 for i, src in enumerate(group):
                     ids[i, ps - len(src):] = src
                     mask[i, ps - len(src):] = 1
-                caches, lg = self._prefill(self.params, caches, jax.device_put(ids, self._batch_sharding(2)),
-                                           jax.device_put(mask, self._batch_sharding(2)), np.int32(s0 * n),
+                caches, lg = self._prefill(self.params, caches, self._put(ids), self._put(mask), np.int32(s0 * n),
                                            np.int32(slots), spec=spec, n=n)
                 logits.append(lg)
             logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
-            state = self._first(logits, key, jax.device_put(lens, self._batch_sharding(1)),
-                                jax.device_put(rmax, self._batch_sharding(1)),
-                                jax.device_put(ids_all, self._batch_sharding(1)), spec=spec, n=n)
-            start = jax.device_put(start, self._batch_sharding(1))
+            state = self._first(logits, key, self._put(lens), self._put(rmax), self._put(ids_all), spec=spec, n=n)
+            start = self._put(start)
             clock.mark(state, phase="prefill", rows=bp * n, prompt_slots=slots)
             # Rows of the running batch -> rows of this chunk (-1: a filler row); outputs land in host
             # arrays as rows leave.
@@ -255,7 +256,7 @@ class JaxEngine:
             lengths = np.zeros(bp * n, np.int32)
 
             def collect():
-                tok, lp, ln = jax.device_get((state["tokens"], state["logps"], state["lengths"]))
+                tok, lp, ln = distributed.fetch_tree((state["tokens"], state["logps"], state["lengths"]))
                 keep = index >= 0
                 tokens[index[keep]], logps[index[keep]], lengths[index[keep]] = tok[keep], lp[keep], ln[keep]
 
@@ -266,7 +267,8 @@ class JaxEngine:
                     t_end = min(t_end, t + self.compact_every)
                 state, caches = self._decode(self.params, state, caches, start, np.int32(slots),
                                              np.int32(t_end), spec=spec)
-                t0, (t, done) = t, jax.device_get((state["t"], state["done"]))
+                # Every process decides from the same global values (growth, compaction, the end).
+                t0, (t, done) = t, distributed.fetch_tree((state["t"], state["done"]))
                 clock.mark(None, phase="decode", t0=int(t0), t1=int(t), rows=int(done.shape[0]),
                            live=int((~done).sum()), slots=capacity)
                 if done.all() or t >= spec.max_new_tokens:

@@ -110,6 +110,26 @@ def plan_micro_batches(seq_lengths: np.ndarray, shape: PackShape) -> list[list[t
     return batches
 
 
+def tail_shape(placements: list[tuple[int, int, int]], shape: PackShape, shards: int, depth: int) -> PackShape:
+    """The smallest shape of a short ladder that holds `placements` (rows and sequence slots).
+
+    The last micro-batch of a mini-batch is often far from full; running it at the full shape wastes
+    its empty rows' compute. The ladder halves the rows each device holds, `depth` shapes in all
+    (ceil(r / 2^k) rows a device, k < depth), so a run compiles a few shapes while the tail costs about
+    what it holds. `shards` is the number of devices the rows are split over.
+    """
+    per = shape.rows // shards
+    used_rows = 1 + max(row for _, row, _ in placements)
+    seqs_per_row = shape.max_seqs // shape.rows
+    best = shape
+    for k in range(1, depth):
+        rows = -(-per // (1 << k)) * shards
+        if rows >= best.rows or rows < used_rows or rows * seqs_per_row < len(placements):
+            break
+        best = dataclasses.replace(shape, rows=rows, max_seqs=rows * seqs_per_row)
+    return best
+
+
 def build_micro_batch(batch: TrainBatch, placements: list[tuple[int, int, int]], shape: PackShape,
                       fields: Sequence[str] = (), pad_id: int = 0) -> dict[str, np.ndarray]:
     """Packs the placed sequences into fixed-shape arrays.

@@ -34,7 +34,7 @@ class ModelConfig:
     tokenizer_path: str | None = None
     dtype: str = "bfloat16"  # compute
     param_dtype: str = "float32"  # master weights
-    remat: str = "full"
+    remat: str = "auto"  # "auto": "dots" when the device has the memory for it, else "full"
     attention_impl: str = "auto"
     critic_path: str | None = None  # defaults to `path` (veRL initialises the critic from the actor)
     overrides: dict | None = None  # Qwen2Config fields to change (e.g. a smaller vocab for a preset)
@@ -47,6 +47,8 @@ class ModelConfig:
                "set exactly one: a HF model dir (or hub id) in `path`, or a random-init `preset`")
         _check(self.preset is None or self.preset in PRESETS, "model.preset",
                f"unknown preset {self.preset!r}; known: {sorted(PRESETS)}")
+        _check(self.remat in ("auto", "none", "full", "dots"), "model.remat",
+               f"{self.remat!r}; use 'auto', 'none', 'full' or 'dots'")
 
 
 @gin.configurable("data")
@@ -90,6 +92,9 @@ class RolloutConfig:
     max_batch_size: int = 1024  # response rows decoded together (JAX engine)
     val_temperature: float = 0.0  # validation is greedy (mean@1)
     vllm_workers: int = 1
+    # Token budget of one micro-batch a device in the old/reference log-prob (and value) passes; None:
+    # twice actor.ppo_max_token_len_per_gpu (a forward pass keeps no activations for a backward one).
+    log_prob_max_token_len_per_gpu: int | None = None
     log_prob_gap: bool = True  # the trainer-sampler logprob gap metric
 
     def validate(self):
@@ -116,6 +121,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x n responses)
     ppo_max_token_len_per_gpu: int = 16384  # token budget of one micro-batch per device
     pack_length: int | None = None  # packed row length (default: max prompt + max response, rounded)
+    # Shapes the last micro-batch of a mini-batch may take (1: always the full one; k: the full one and
+    # 1/2 ... 1/2^(k-1) of its rows), so a mostly empty tail does not cost a full micro-batch.
+    tail_shapes: int = 3
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
@@ -134,6 +142,7 @@ class ActorConfig:
         _check(self.ppo_mini_batch_size >= 1 and self.ppo_epochs >= 1,
                "actor.ppo_mini_batch_size / ppo_epochs", "must be >= 1")
         _check(self.clip_ratio_c > 1.0, "actor.clip_ratio_c", "dual-clip bound must be > 1")
+        _check(self.tail_shapes >= 1, "actor.tail_shapes", f"{self.tail_shapes}; need >= 1")
         _check(self.loss_agg_mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                       "seq-mean-token-sum-norm"), "actor.loss_agg_mode",
                f"{self.loss_agg_mode!r} is not a veRL mode")
@@ -217,6 +226,14 @@ class TrainerConfig:
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     driver: str = "ray"  # "ray" or "inprocess"
     ray_address: str | None = None
+    # Processes of the run. The Ray driver starts this many trainer processes (one Ray placement-group
+    # bundle each) joined by jax.distributed; plain launches set the count with --num_processes.
+    num_processes: int = 1
+    devices_per_process: int | None = None  # GPUs (or simulated CPU devices) of each process; None: 1 GPU
+    heartbeat_timeout_s: int = 60  # a dead process stops the others after this long
+    # JAX's persistent compilation cache: a repeated or resumed run loads its programs instead of
+    # compiling them. "" turns it off.
+    compilation_cache_dir: str = "~/.cache/jaxrl_llm/xla"
     mesh_data: int = 1
     mesh_fsdp: int = -1
     mesh_tensor: int = 1
@@ -229,6 +246,10 @@ class TrainerConfig:
     def validate(self):
         _check(self.driver in ("ray", "inprocess"), "train.driver", f"{self.driver!r}; use 'ray' or "
                "'inprocess'")
+        _check(self.num_processes >= 1, "train.num_processes", f"{self.num_processes}; need >= 1")
+        _check(self.devices_per_process is None or self.devices_per_process >= 1, "train.devices_per_process",
+               f"{self.devices_per_process}; need >= 1 (or None)")
+        _check(self.heartbeat_timeout_s >= 5, "train.heartbeat_timeout_s", f"{self.heartbeat_timeout_s}; need >= 5")
         _check(self.total_epochs >= 1, "train.total_epochs", "must be >= 1")
         sinks = ("console", "jsonl", "tensorboard", "wandb")
         unknown = [s for s in self.logger if s not in sinks]

@@ -1,9 +1,13 @@
 """The RL loop: the one module with side effects. Reads top to bottom as one step of the run.
 
-The data source yields prompts. The engine samples `n` responses each. Reward functions score them
-on the host. The worker computes old and reference log-probs (and values), then advantages. The
-actor (and critic) update. New weights go to the engine. Metrics are logged; validation and
-checkpoints happen every `test_freq` / `save_freq` steps.
+The data source yields prompts. The engine samples `n` responses each. The worker starts the old and
+reference log-prob (and value) passes on the device, and reward functions score the responses on the
+host meanwhile. Then advantages; the actor (and critic) update. New weights go to the engine. Metrics
+are logged; validation and checkpoints happen every `test_freq` / `save_freq` steps.
+
+In a multi-process run every process runs this loop with the same data, the same programs in the same
+order, and the same host-side values (scores and sampler decisions are gathered across processes);
+only process 0 logs and writes the run's own files (`jaxrl_llm.distributed`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 import numpy as np
 
 import jaxrl_llm
+from jaxrl_llm import distributed
 from jaxrl_llm.algorithms import make_kl_controller
 from jaxrl_llm.checkpoint import resolve_resume
 from jaxrl_llm.rewards import CustomRewardFunction, RewardManager
@@ -25,6 +30,7 @@ from jaxrl_llm.trainer.config import RunConfig
 from jaxrl_llm.trainer.data_setup import build_datasets, load_tokenizer
 from jaxrl_llm.trainer.loggers import MetricsLogger
 from jaxrl_llm.trainer.roles import make_worker
+from jaxrl_llm.trainer.step_rewards import StepScorer
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +56,10 @@ def build_train_batch(prompts: list[dict], rollout: RolloutBatch, max_response_l
 class RLTrainer:
     """Runs GRPO / PPO for `RunConfig`; `fit()` trains, validates, logs and checkpoints."""
 
-    def __init__(self, run: RunConfig, *, operative_config: str = ""):
+    def __init__(self, run: RunConfig, *, operative_config: str = "", inprocess: bool = False):
         self.run = run
         self.run_dir = run.trainer.run_dir
+        self.main = distributed.is_main()
         resolve_resume(run.trainer.resume_mode, self.run_dir)  # a bad path fails before any work
         os.makedirs(self.run_dir, exist_ok=True)
         self.tokenizer = load_tokenizer(run)
@@ -62,13 +69,14 @@ class RLTrainer:
         custom = (CustomRewardFunction(run.reward.custom_reward_path, run.reward.custom_reward_name)
                   if run.reward.custom_reward_path else None)
         self.rewards = RewardManager(custom, num_workers=run.reward.num_workers, strict=run.reward.strict)
+        self.scorer = StepScorer(self.tokenizer, self.rewards)
         datasets = [d for d in (self.train_data, self.val_data) if d is not None]
         self.rewards.check_data_sources({item["data_source"] for d in datasets for item in d},
                                         where=", ".join(f for d in datasets for f in getattr(d, "files", ())))
         a = run.algo
         self.kl_ctrl = (make_kl_controller(a.kl_ctrl_type, a.kl_coef, a.kl_target, a.kl_horizon)
                         if a.use_kl_in_reward else None)
-        self.worker = make_worker(run, total_steps=self.total_steps)
+        self.worker = make_worker(run, total_steps=self.total_steps, inprocess=inprocess)
         self.operative_config = operative_config
         self.global_step = 0
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
@@ -76,17 +84,24 @@ class RLTrainer:
         try:
             self._resume()
             self._save_tokenizer()
-            self.pool = self._make_vllm_pool() if run.rollout.engine == "vllm" else None
+            self.use_pool = run.rollout.engine == "vllm"
+            self.pool = self._make_vllm_pool() if self.use_pool else None  # on process 0 only
         except BaseException:
             # Let Orbax's background threads finish before the caller may remove the run dir.
             self.worker.call("close_checkpointer")
             raise
-        self.logger = MetricsLogger(self.run_dir, t.logger, total_steps=self.total_steps, start_step=self.global_step,
+        self.logger = MetricsLogger(self.run_dir, t.logger if self.main else (), total_steps=self.total_steps,
+                                    start_step=self.global_step,
                                     project=t.project_name, experiment=t.experiment_name,
                                     progress_bar=t.progress_bar)
         self.peak = self.worker.call("peak_tflops")
         self.n_devices = self.worker.call("num_devices")
         self.model_cfg = self.worker.call("model_config")
+        self.needs_old = self.worker.call("needs_old_log_prob")
+        self.needs_ref = self.worker.call("needs_ref_flag")
+        if self.main and operative_config:
+            with open(os.path.join(self.run_dir, "operative_config.gin"), "w") as f:
+                f.write(operative_config)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def _meta(self) -> dict:
@@ -117,7 +132,7 @@ class RLTrainer:
     def _save_tokenizer(self) -> None:
         """Keeps the tokenizer beside the checkpoints, so exports are complete HF directories."""
         path = os.path.join(self.run_dir, "tokenizer")
-        if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+        if self.main and not os.path.exists(os.path.join(path, "tokenizer_config.json")):
             self.tokenizer.save_pretrained(path)
 
     # ---- rollout engine ----------------------------------------------------------------------------
@@ -126,9 +141,11 @@ class RLTrainer:
         from jaxrl_llm.rollout import VllmPool
         from jaxrl_llm.trainer.roles import init_ray
 
-        init_ray(self.run)
         self.weights_dir = os.path.join(self.run_dir, "weights")
-        self.worker.call("save_weights", self.weights_dir, self.global_step)
+        self.worker.call("save_weights", self.weights_dir, self.global_step)  # every process writes its shards
+        if not self.main:
+            return None
+        init_ray(self.run)
         d = self.run.data
         return VllmPool(self.worker.call("model_config"), num_workers=self.run.rollout.vllm_workers,
                         weights_dir=self.weights_dir, max_prompt_length=d.max_prompt_length,
@@ -137,17 +154,19 @@ class RLTrainer:
 
     def generate(self, prompts: list[dict], sampling: SamplingParams) -> RolloutBatch:
         ids = [p["prompt_ids"] for p in prompts]
-        if self.pool is not None:
-            return self.pool.generate(ids, sampling)
+        if self.use_pool:  # process 0 drives the pool; every process gets its rollout
+            return distributed.broadcast_object(self.pool.generate(ids, sampling) if self.main else None)
         return self.worker.call("generate", ids, sampling)
 
     def sync_weights(self, version: int) -> None:
         """New actor weights to the engine: in device memory (JAX), or via an Orbax checkpoint (vLLM)."""
-        if self.pool is None:
+        if not self.use_pool:
             self.worker.call("sync_rollout_weights", version)
         else:
-            self.worker.call("save_weights", self.weights_dir, version)
-            self.pool.update_weights(step=version)
+            self.worker.call("save_weights", self.weights_dir, version)  # every process writes its shards
+            if self.main:
+                self.pool.update_weights(step=version)
+            distributed.barrier(f"weights_{version}")
 
     # ---- one step --------------------------------------------------------------------------------
     def sampling(self, step: int, *, validate: bool = False) -> SamplingParams:
@@ -158,13 +177,10 @@ class RLTrainer:
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=self.run.data.max_response_length, seed=self.run.data.seed * 100003 + step)
 
-    def score(self, prompts: list[dict], batch: TrainBatch, rollout: RolloutBatch):
-        texts = self.tokenizer.batch_decode([batch.responses[i, : batch.response_lengths[i]]
-                                             for i in range(len(batch))], skip_special_tokens=True)
-        items = [prompts[i] for i in rollout.prompt_index]
-        out = self.rewards.score_batch([it["data_source"] for it in items], texts,
-                                       [it["ground_truth"] for it in items], [it.get("extra_info") for it in items])
-        return out, texts
+    def score(self, prompts: list[dict], batch: TrainBatch, rollout: RolloutBatch, device_done=None):
+        """Scores of every response (this process scores its share; the shares are gathered)."""
+        return self.scorer.score([prompts[i] for i in rollout.prompt_index], batch.responses,
+                                 batch.response_lengths, device_done=device_done)
 
     def _replayed_batch(self, step: int) -> TrainBatch:
         path = os.path.join(self.run.trainer.replay_batches_from, f"step_{step:06d}.npz")
@@ -175,6 +191,8 @@ class RLTrainer:
             return TrainBatch.from_arrays(dict(f))
 
     def _dump_batch(self, batch: TrainBatch, step: int) -> None:
+        if not self.main:
+            return
         d = os.path.join(self.run_dir, "batches")
         os.makedirs(d, exist_ok=True)
         tmp = os.path.join(d, f".step_{step:06d}.tmp.npz")
@@ -191,25 +209,29 @@ class RLTrainer:
             with timer("gen"):
                 rollout = self.generate(prompts, self.sampling(step))
             batch = build_train_batch(prompts, rollout, run.data.max_response_length)
-            with timer("reward"):
-                scored, _ = self.score(prompts, batch, rollout)
+            passes = dict(old=self.needs_old, ref=self.needs_ref, values=run.algo.uses_critic)
+            out = {}
+            if any(passes.values()):
+                with timer("log_probs"):
+                    # The device runs the old/reference log-prob (and value) passes while the host scores
+                    # the responses; the passes do not need the scores.
+                    worker.call("start_forward_passes", batch, **passes)
+                    with timer("reward"):
+                        scored = self.score(prompts, batch, rollout,
+                                            device_done=lambda: worker.call("forward_passes_ready"))
+                    out = worker.call("finish_forward_passes")
+            else:
+                with timer("reward"):
+                    scored = self.score(prompts, batch, rollout)
             metrics.update(scored.metrics)
-            scores = scored.scores
+            metrics["timing_s/reward_exposed"] = scored.exposed_s
             tls = np.zeros_like(batch.response_mask)
             last = np.maximum(batch.response_lengths - 1, 0)
-            tls[np.arange(len(batch)), last] = scores
+            tls[np.arange(len(batch)), last] = scored.scores
             batch.fields["token_level_scores"] = tls
-            old = None
-            if worker.call("needs_old_log_prob"):
-                with timer("old_log_prob"):
-                    old = worker.call("compute_log_prob", batch)
-                batch.fields["old_log_prob"] = old["old_log_prob"]
-            if worker.call("needs_ref_flag"):
-                with timer("ref"):
-                    batch.fields["ref_log_prob"] = worker.call("compute_ref_log_prob", batch)
-            if run.algo.uses_critic:
-                with timer("values"):
-                    batch.fields["values"] = worker.call("compute_values", batch)
+            for name in ("old_log_prob", "ref_log_prob", "values"):
+                if name in out:
+                    batch.fields[name] = out[name]
             with timer("adv"):
                 kl_coef = self.kl_ctrl.value if self.kl_ctrl is not None else 0.0
                 adv = worker.call("compute_advantages", batch, kl_coef)
@@ -220,8 +242,8 @@ class RLTrainer:
             if run.trainer.dump_batches:
                 self._dump_batch(batch, step)
             self._update(batch, step, timer, metrics)
-        if old is not None:
-            metrics["actor/entropy_rollout"] = float(np.sum(old["entropy"]) / max(batch.response_mask.sum(), 1))
+        if "entropy" in out:
+            metrics["actor/entropy_rollout"] = float(np.sum(out["entropy"]) / max(batch.response_mask.sum(), 1))
         return self._step_metrics(metrics, batch, timer, step)
 
     def _replay_step(self, step: int) -> dict[str, float]:
@@ -265,7 +287,7 @@ class RLTrainer:
             chunk = items[start:start + bs]
             rollout = self.generate(chunk, self.sampling(0, validate=True))
             batch = build_train_batch(chunk, rollout, self.run.data.max_response_length)
-            out, _ = self.score(chunk, batch, rollout)
+            out = self.score(chunk, batch, rollout)
             scores.extend(out.scores.tolist())
             sources.extend(p["data_source"] for p in chunk)
         scores, sources = np.asarray(scores), np.asarray(sources)

@@ -55,11 +55,14 @@ def init_ray(run: RunConfig) -> None:
         ray.init(include_dashboard=False, log_to_driver=True)
 
 
-def make_worker(run: RunConfig, *, total_steps: int):
-    """The trainer worker (actor, reference, critic, JAX engine) as a role handle."""
+def make_worker(run: RunConfig, *, total_steps: int, inprocess: bool = False):
+    """The trainer worker (actor, reference, critic, JAX engine) as a role handle: in this process for
+    `train.driver = 'inprocess'`, for `inprocess=True` and in every process of a multi-process run (each
+    process owns its devices' part of the global mesh), else in a Ray actor."""
+    from jaxrl_llm import distributed
     from jaxrl_llm.trainer.worker import TrainerWorker
 
-    if run.trainer.driver == "inprocess":
+    if run.trainer.driver == "inprocess" or inprocess or distributed.process_count() > 1:
         return LocalRole(TrainerWorker(run, total_steps=total_steps))
     import ray
 

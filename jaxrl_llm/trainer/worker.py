@@ -13,13 +13,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import sharding
+from jaxrl_llm import distributed, sharding
 from jaxrl_llm.algorithms import LossNorm, apply_kl_penalty, get_adv_estimator_fn
 from jaxrl_llm.models import Qwen2Config, graphdef_and_abstract_params, init_params, load_params, param_shardings
 from jaxrl_llm.models.config import PRESETS
 from jaxrl_llm.rollout import JaxEngine, RolloutBatch, SamplingParams
 from jaxrl_llm.trainer import steps
-from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch, plan_micro_batches, split_mini_batches
+from jaxrl_llm.trainer.batch import (
+    PackShape,
+    TrainBatch,
+    build_micro_batch,
+    plan_micro_batches,
+    split_mini_batches,
+    tail_shape,
+)
 from jaxrl_llm.trainer.config import RunConfig
 from jaxrl_llm.trainer.optim import make_optimizer
 
@@ -45,7 +52,8 @@ def resolve_model_path(path: str) -> str:
 
 def model_config(run: RunConfig) -> Qwen2Config:
     m = run.model
-    numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention_impl=m.attention_impl,
+    remat = "full" if m.remat == "auto" else m.remat  # "auto" is resolved once the mesh is known
+    numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=remat, attention_impl=m.attention_impl,
                     **(m.overrides or {}))
     if m.preset is not None:
         if m.preset not in PRESETS:
@@ -81,6 +89,8 @@ class TrainerWorker:
         self.mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor)
         self.dp = sharding.data_parallel_size(self.mesh)
         self.cfg = model_cfg or model_config(run)
+        if model_cfg is None and run.model.remat == "auto":
+            self.cfg = self.cfg.replace(remat=self._auto_remat())
         self.actor_gd, _ = graphdef_and_abstract_params(self.cfg)
         self.actor_sh = param_shardings(self.cfg, self.mesh)
         params = self._load_actor_params()
@@ -117,6 +127,17 @@ class TrainerWorker:
                                     max_batch_size=run.rollout.max_batch_size)
 
     # ---- construction ----------------------------------------------------------------------------
+    def _auto_remat(self) -> str:
+        """`model.remat='auto'`: "dots" when the update fits this device with it, else "full"."""
+        from jaxrl_llm.trainer.memory import choose_remat, device_memory_bytes
+
+        run, shape = self.run, self.mesh.shape
+        tokens = max(1, run.actor.ppo_max_token_len_per_gpu // run.pack_length) * run.pack_length
+        return choose_remat(self.cfg, tokens_per_device=tokens, param_shards=shape["fsdp"] * shape["tensor"],
+                            tensor=shape["tensor"], ref=(run.actor.use_kl_loss or run.algo.use_kl_in_reward)
+                            and not run.trainer.ref_offload, critic=run.algo.uses_critic,
+                            engine=run.rollout.engine == "jax", device_bytes=device_memory_bytes())
+
     def _load_actor_params(self):
         m = self.run.model
         if m.preset is not None:
@@ -135,28 +156,39 @@ class TrainerWorker:
         # veRL initialises the critic from the actor checkpoint with a fresh value head.
         lm = load_params(path, self.cfg, mesh=self.mesh)
         head = init_params(self.cfg.replace(num_hidden_layers=1, vocab_size=8), seed=m.seed + 1, critic=True)
-        score = jax.device_put(head["score"], self.critic_sh["score"])
+        score = jax.tree.map(lambda x, sh: distributed.put(distributed.fetch(x), sh), head["score"],
+                             self.critic_sh["score"])
         return {"model": lm["model"], "score": score}
 
     def _init_state(self, params, tx, param_sh):
         opt_state = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, param_sh, self.mesh))(params)
-        scalar = lambda: jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated(self.mesh))
+        scalar = lambda: distributed.put(np.zeros((), np.int32), sharding.replicated(self.mesh))
         return {"params": params, "opt_state": opt_state, "step": scalar(), "skipped": scalar()}
 
     def _make_ref(self, params):
-        """The frozen reference policy in the compute dtype; on the host when `ref_offload`."""
+        """The frozen reference policy in the compute dtype; on the host when `ref_offload` (each
+        process keeps its own devices' shards)."""
         dt = jnp.dtype(self.cfg.dtype)
         ref = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt), p), out_shardings=self.actor_sh)(params)
         if self.run.trainer.ref_offload:
-            ref = jax.device_get(ref)
+            ref = jax.tree.map(distributed.to_host_shards, ref)
         return ref
+
+    def _ref_on_device(self):
+        if not self.run.trainer.ref_offload:
+            return self.ref_params
+        return jax.tree.map(distributed.from_host_shards, self.ref_params, is_leaf=lambda x: isinstance(x, tuple))
 
     def _build_steps(self):
         run = self.run
         temp = run.rollout.temperature
         chunk = run.actor.logprob_chunk_size
-        self.pack = self._pack_shape()
+        self.pack = self._pack_shape(run.actor.ppo_max_token_len_per_gpu)
+        # Forward-only passes keep no activations for a backward pass: larger micro-batches, fewer of them.
+        self.fwd_pack = self._pack_shape(run.rollout.log_prob_max_token_len_per_gpu
+                                         or 2 * run.actor.ppo_max_token_len_per_gpu)
         self.logprob_fn = steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk, with_entropy=True)
+        self.ref_logprob_fn = steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk)
         # A step that is one mini-batch and one epoch is exactly on-policy (veRL's shortcut): the ratio is
         # 1 by construction and the old-log-prob pass is skipped, unless the KL in the reward needs it.
         self.on_policy = (run.actor.ppo_epochs == 1 and run.actor.ppo_mini_batch_size == run.data.train_batch_size
@@ -180,10 +212,10 @@ class TrainerWorker:
             self.critic_apply = steps.make_apply_step(self.critic_tx, self.critic_state_sh)
             self.critic_zeros = steps.make_zeros(self.critic_sh)
 
-    def _pack_shape(self) -> PackShape:
+    def _pack_shape(self, tokens_per_device: int) -> PackShape:
         run = self.run
         length = run.pack_length
-        per_device = max(1, run.actor.ppo_max_token_len_per_gpu // length)
+        per_device = max(1, tokens_per_device // length)
         rows = per_device * self.dp
         max_seqs = rows * max(1, length // 8)
         return PackShape(rows=rows, length=length, max_seqs=max_seqs, resp_len=run.data.max_response_length)
@@ -194,29 +226,67 @@ class TrainerWorker:
         for k, v in mb.items():
             if k in HOST_ONLY:
                 continue
-            out[k] = jax.device_put(v, sharding.batch_sharding(self.mesh, v.ndim, v.shape))
+            out[k] = distributed.put(v, sharding.batch_sharding(self.mesh, v.ndim, v.shape))
         return out
 
-    def _micro_batches(self, batch: TrainBatch, fields):
+    def _micro_batches(self, batch: TrainBatch, fields, pack: PackShape):
         lengths = batch.prompt_lengths + batch.response_lengths
-        for placements in plan_micro_batches(lengths, self.pack):
-            mb = build_micro_batch(batch, placements, self.pack, fields=fields, pad_id=self.cfg.pad_token_id or 0)
+        for placements in plan_micro_batches(lengths, pack):
+            shape = tail_shape(placements, pack, self.dp, self.run.actor.tail_shapes)
+            mb = build_micro_batch(batch, placements, shape, fields=fields, pad_id=self.cfg.pad_token_id or 0)
             yield mb["seq_ids"], self._put(mb)
 
-    def _forward(self, fn, params, batch: TrainBatch, keys) -> dict[str, np.ndarray]:
-        out = {k: np.zeros(batch.responses.shape, np.float32) for k in keys}
+    # ---- forward passes: old and reference log-probs, values ------------------------------------
+    def start_forward_passes(self, batch: TrainBatch, *, old: bool = False, ref: bool = False,
+                             values: bool = False) -> None:
+        """Packs `batch` once and dispatches every micro-batch of the asked passes: the actor's log-probs
+        and entropy (`old`), the reference log-probs (`ref`), the critic's values (`values`).
+
+        Nothing is fetched: the device computes while the caller does host work (the driver scores
+        rewards here), and `finish_forward_passes` collects the results.
+        """
+        passes = []
+        if old:
+            passes.append((self.logprob_fn, self.actor_state["params"], {"log_prob": "old_log_prob",
+                                                                         "entropy": "entropy"}))
+        if ref:
+            passes.append((self.ref_logprob_fn, self._ref_on_device(), {"log_prob": "ref_log_prob"}))
+        if values:
+            passes.append((self.value_fn, self.critic_state["params"], {"values": "values"}))
+        pending = []
         with jax.set_mesh(self.mesh):
             # Dispatch every micro-batch before fetching any result, so the host packs the next
             # micro-batch while the device computes.
-            pending = [(seq_ids, fn(params, mb)) for seq_ids, mb in self._micro_batches(batch, ())]
-        for seq_ids, res in pending:
-            res = jax.device_get(res)
+            for seq_ids, mb in self._micro_batches(batch, (), self.fwd_pack):
+                pending.append((seq_ids, [(names, fn(params, mb)) for fn, params, names in passes]))
+        self._pending = (batch, pending)
+
+    def forward_passes_ready(self) -> bool:
+        """Whether the device has finished the dispatched passes (never blocks)."""
+        _, pending = self._pending
+        return not pending or all(x.is_ready() for _, res in pending[-1:] for _, r in res
+                                  for x in jax.tree.leaves(r))
+
+    def finish_forward_passes(self) -> dict[str, np.ndarray]:
+        """The results of `start_forward_passes`, [R, Tr] each, masked to the responses."""
+        batch, pending = self._pending
+        self._pending = None
+        out: dict[str, np.ndarray] = {}
+        for seq_ids, results in pending:
             used = seq_ids >= 0
-            for k in keys:
-                out[k][seq_ids[used]] = res[k][used]
-        for k in keys:
+            for names, res in results:
+                res = distributed.fetch_tree(res)
+                for k, name in names.items():
+                    if name not in out:
+                        out[name] = np.zeros(batch.responses.shape, np.float32)
+                    out[name][seq_ids[used]] = res[k][used]
+        for k in out:
             out[k] *= batch.response_mask
         return out
+
+    def _forward(self, batch: TrainBatch, **passes) -> dict[str, np.ndarray]:
+        self.start_forward_passes(batch, **passes)
+        return self.finish_forward_passes()
 
     # ---- the RL step -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
@@ -224,17 +294,13 @@ class TrainerWorker:
 
     def compute_log_prob(self, batch: TrainBatch) -> dict[str, np.ndarray]:
         """Old log-probs and entropy of the current actor ([R, Tr] each)."""
-        out = self._forward(self.logprob_fn, self.actor_state["params"], batch, ("log_prob", "entropy"))
-        return {"old_log_prob": out["log_prob"], "entropy": out["entropy"]}
+        return self._forward(batch, old=True)
 
     def compute_ref_log_prob(self, batch: TrainBatch) -> np.ndarray:
-        ref = self.ref_params
-        if self.run.trainer.ref_offload:
-            ref = jax.device_put(ref, self.actor_sh)
-        return self._forward(self.logprob_fn, ref, batch, ("log_prob",))["log_prob"]
+        return self._forward(batch, ref=True)["ref_log_prob"]
 
     def compute_values(self, batch: TrainBatch) -> np.ndarray:
-        return self._forward(self.value_fn, self.critic_state["params"], batch, ("values",))["values"]
+        return self._forward(batch, values=True)["values"]
 
     def _make_adv_fn(self):
         """One jitted function: (scores, old/ref log-probs, values, mask, groups, kl_coef) ->
@@ -282,7 +348,7 @@ class TrainerWorker:
                                     num_seqs=jnp.float32(max((mask.sum(-1) > 0).sum(), 1)),
                                     max_len=jnp.float32(run.data.max_response_length))
                     grads = metrics = None
-                    for _, mb in self._micro_batches(sub, fields):
+                    for _, mb in self._micro_batches(sub, fields, self.pack):
                         if grads is None:
                             grads = zeros(state["params"])
                             metrics = metrics0(state["params"], mb, norm)
@@ -290,7 +356,7 @@ class TrainerWorker:
                     state, applied = apply_fn(state, grads)
                     history.append((metrics, applied))  # fetched after the last update: no sync here
         history = [{**m, f"{prefix}/grad_norm": a["grad_norm"], f"{prefix}/skipped_steps": a["skipped"],
-                    f"{prefix}/lr": lr} for m, a in jax.device_get(history)]
+                    f"{prefix}/lr": lr} for m, a in distributed.fetch_tree(history)]
         out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
         out[f"{prefix}/skipped_steps"] = float(sum(h[f"{prefix}/skipped_steps"] for h in history))
         if "actor/logprob_gap_max" in out:

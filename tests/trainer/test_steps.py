@@ -36,7 +36,7 @@ def test_lr_zero_step_leaves_params_bit_identical(tmp_path):
     assert _same(before, _host(w.actor_state["params"]))
     assert m["actor/lr"] == 0.0 and m["actor/grad_norm"] > 0  # a real gradient, applied with lr 0
     assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0 and m["actor/pg_clipfrac_lower"] == 0.0
-    assert "timing_s/old_log_prob" not in m
+    assert "timing_s/log_probs" not in m and "actor/entropy_rollout" not in m
     # Sampler vs trainer log-probs of the sampled tokens: the same fp32 weights, differently fused.
     assert m["actor/logprob_gap_mean"] < 1e-6 and m["actor/logprob_gap_max"] < 1e-5
 

@@ -1,0 +1,115 @@
+"""`train.driver = 'ray'` with `train.num_processes > 1`: the run's processes as Ray actors.
+
+The driver reserves one placement-group bundle per process (its GPUs, or one CPU with
+`train.devices_per_process` simulated CPU devices), spread over the nodes of the cluster, starts a
+`TrainProcess` actor in each, and hands every actor the address of process 0's coordinator. Each actor
+then does what a plainly launched process does (`jaxrl_llm.train.run_process`): joins the others with
+`jax.distributed`, and runs the whole RL loop as one process of the SPMD program.
+
+The driver only waits. When a process fails or dies, it stops the others and raises one error; the
+next start resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+
+from jaxrl_llm.distributed import DistributedError, ProcessSpec
+from jaxrl_llm.trainer.config import RunConfig
+from jaxrl_llm.trainer.roles import init_ray
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120
+
+
+class TrainProcess:
+    """One process of a multi-process run (the body of a Ray actor)."""
+
+    def address(self) -> str:
+        """HOST:PORT for a coordinator on this node (a port free now)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def fit(self, run: RunConfig, operative_config: str, spec: ProcessSpec, log_level: str = "INFO") -> dict:
+        from jaxrl_llm.train import run_process, setup_logging
+
+        setup_logging(log_level, spec.process_id)
+        return run_process(run, operative_config, spec)
+
+
+def _env_for(devices: int, gpu: bool) -> dict[str, str]:
+    """The environment of an actor, set before its JAX starts: the simulated CPU device count."""
+    env = {}
+    if os.environ.get("JAX_PLATFORMS"):
+        env["JAX_PLATFORMS"] = os.environ["JAX_PLATFORMS"]
+    if not gpu:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def fit_on_ray(run: RunConfig, operative_config: str, *, log_level: str = "INFO") -> dict:
+    """Runs the training as `train.num_processes` Ray actors; returns process 0's last metrics."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    t = run.trainer
+    n, per = t.num_processes, t.devices_per_process or 1
+    init_ray(run)
+    gpu = ray.cluster_resources().get("GPU", 0) > 0
+    bundle = {"CPU": 1, "GPU": per} if gpu else {"CPU": 1}
+    # SPREAD: one process per node where the cluster has the nodes (JAX's usual layout), else packed.
+    pg = placement_group([bundle] * n, strategy="SPREAD")
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(pg)
+        raise DistributedError(f"Ray could not place {n} trainer processes of {bundle} each within "
+                               f"{PLACEMENT_TIMEOUT_S}s; the cluster has {ray.cluster_resources()}. Lower "
+                               "train.num_processes / train.devices_per_process, or add nodes")
+    actor_cls = ray.remote(TrainProcess)
+    actors = [actor_cls.options(
+        num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        runtime_env={"env_vars": _env_for(per, gpu)}).remote() for i in range(n)]
+    try:
+        coordinator = ray.get(actors[0].address.remote())
+        log.info("starting %d trainer processes (%s each), coordinator %s", n, bundle, coordinator)
+        refs = [a.fit.remote(run, operative_config, ProcessSpec(coordinator, n, i), log_level)
+                for i, a in enumerate(actors)]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                _result(ref, refs.index(ref), n)
+        return ray.get(refs[0])
+    finally:
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+
+
+def _result(ref, index: int, n: int):
+    """The value of a finished process; its failure as one error (the caller stops the others)."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:  # the process raised: its own error, unwrapped
+        raise e.as_instanceof_cause() from None
+    except ray.exceptions.RayActorError as e:  # the process died (killed, out of memory, a crash)
+        cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise DistributedError(f"trainer process {index} of {n} died ({cause}); the other processes were "
+                               "stopped. Rerun the same command to resume from the last checkpoint") from None

@@ -1,0 +1,100 @@
+"""Packing responses into fixed-shape micro-batches, and the smaller shapes of a mostly empty tail."""
+
+import numpy as np
+import pytest
+
+from jaxrl_llm.trainer.batch import (
+    PackShape,
+    TrainBatch,
+    build_micro_batch,
+    plan_micro_batches,
+    split_mini_batches,
+    tail_shape,
+)
+from tests.trainer import runs
+
+
+def _batch(lengths, prompt_len=3, seed=0) -> TrainBatch:
+    rng = np.random.default_rng(seed)
+    tr = max(lengths)
+    mask = (np.arange(tr)[None] < np.asarray(lengths)[:, None]).astype(np.float32)
+    responses = rng.integers(1, 50, size=(len(lengths), tr)).astype(np.int32) * mask.astype(np.int32)
+    prompts = [rng.integers(1, 50, size=prompt_len).astype(np.int32) for _ in lengths]
+    return TrainBatch(prompt_ids=prompts, responses=responses, response_mask=mask,
+                      group_ids=np.arange(len(lengths), dtype=np.int32))
+
+
+def test_plan_places_every_sequence_once_without_overflow():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(5, 60, size=100)
+    shape = PackShape(rows=4, length=64, max_seqs=32, resp_len=60)
+    plans = plan_micro_batches(lengths, shape)
+    placed = sorted(i for mb in plans for i, _, _ in mb)
+    assert placed == list(range(100))
+    for mb in plans:
+        assert len(mb) <= shape.max_seqs
+        fill = {}
+        for i, row, off in sorted(mb, key=lambda p: (p[1], p[2])):
+            assert 0 <= row < shape.rows and off == fill.get(row, 0)  # contiguous, no overlap
+            fill[row] = off + lengths[i]
+        assert max(fill.values()) <= shape.length
+
+
+def test_micro_batch_layout_gathers_each_response_token():
+    b = _batch([4, 2, 6])
+    shape = PackShape(rows=2, length=16, max_seqs=4, resp_len=6)
+    mb = build_micro_batch(b, plan_micro_batches(b.prompt_lengths + b.response_lengths, shape)[0], shape)
+    for slot, i in enumerate(mb["seq_ids"]):
+        if i < 0:
+            continue
+        n = int(b.response_lengths[i])
+        # The target at each response token's predicting position is that response token.
+        np.testing.assert_array_equal(mb["targets"].reshape(-1)[mb["resp_pos"][slot, :n]], b.responses[i, :n])
+
+
+@pytest.mark.parametrize("used_rows,seqs,depth,want_rows", [
+    (1, 1, 3, 4 * 2),     # 16 rows a device: the ladder stops at a quarter (depth 3)
+    (1, 1, 5, 1 * 2),     # deeper ladder: down to one row a device
+    (9, 9, 5, 8 * 2),     # 9 rows used: 16 rows is the smallest ladder size >= 9 (8 a device)
+    (20, 20, 5, 16 * 2),  # more than half used: the full shape
+    (1, 1, 1, 16 * 2),    # depth 1: always the full shape
+    (2, 40, 5, 2 * 2),    # two rows, but 40 sequences need 4 rows of slots (10 a row): 2 a device
+])
+def test_tail_shape_ladder(used_rows, seqs, depth, want_rows):
+    full = PackShape(rows=32, length=128, max_seqs=320, resp_len=64)
+    placements = [(i, min(i, used_rows - 1), 0) for i in range(seqs)]
+    got = tail_shape(placements, full, shards=2, depth=depth)
+    assert got.rows == want_rows and got.max_seqs == want_rows * 10 and got.length == full.length
+
+
+def test_tail_shapes_give_the_same_log_probs_and_update(tmp_path):
+    from jaxrl_llm.trainer.loop import RLTrainer, build_train_batch
+
+    out = {}
+    for depth in (1, 3):
+        # 6 rows of 32 tokens a micro-batch; the 32 responses of a step fill 8 rows: a tail of 2.
+        run = runs.run_config("train.driver='inprocess'", "actor.ppo_max_token_len_per_gpu=192",
+                              "actor.ppo_mini_batch_size=8", "rollout.log_prob_max_token_len_per_gpu=192",
+                              "actor.pack_length=32", f"actor.tail_shapes={depth}", run_dir=tmp_path / str(depth))
+        trainer = RLTrainer(run)
+        prompts = next(trainer.iterator)
+        rollout = trainer.generate(prompts, trainer.sampling(0))
+        batch = build_train_batch(prompts, rollout, run.data.max_response_length)
+        w = trainer.worker.obj
+        shapes = []  # rows of every micro-batch of every mini-batch of the update
+        for idx in split_mini_batches(len(batch), run.actor.ppo_mini_batch_size * run.rollout.n):
+            sub = batch.select(idx)
+            shapes += [tail_shape(p, w.pack, w.dp, depth).rows
+                       for p in plan_micro_batches(sub.prompt_lengths + sub.response_lengths, w.pack)]
+        lp = w.compute_log_prob(batch)
+        batch.fields["old_log_prob"] = lp["old_log_prob"]
+        batch.fields["advantages"] = np.random.default_rng(0).standard_normal(batch.response_mask.shape).astype(
+            np.float32) * batch.response_mask
+        metrics = w.update_actor(batch, 0)
+        out[depth] = (shapes, lp["old_log_prob"], metrics)
+    (full_shapes, lp1, m1), (tail_shapes_, lp3, m3) = out[1], out[3]
+    assert len(full_shapes) >= 2 and set(full_shapes) == {full_shapes[0]}
+    assert min(tail_shapes_) < full_shapes[0]  # some tail ran at a smaller shape
+    np.testing.assert_allclose(lp3, lp1, rtol=1e-6, atol=1e-6)
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        np.testing.assert_allclose(m3[k], m1[k], rtol=1e-5, err_msg=k)

@@ -1,0 +1,59 @@
+"""Scoring a step's responses: fast decoding gives the tokenizer's own text, chunked scoring equals one
+call, extras line up with their responses, and the exposed time counts only scoring after the device
+was done."""
+
+import numpy as np
+import pytest
+import transformers
+
+from jaxrl_llm.rewards import RewardManager
+from jaxrl_llm.trainer.step_rewards import StepScorer, decode_responses
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen2_tokenizer_dir):
+    return transformers.AutoTokenizer.from_pretrained(qwen2_tokenizer_dir)
+
+
+def test_fast_decode_equals_batch_decode(tokenizer):
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 151_000, size=int(n)).tolist() for n in rng.integers(1, 300, size=64)]
+    seqs[0] += [151645, 151643]  # <|im_end|>, <|endoftext|>: special tokens are skipped by both
+    seqs[1] = tokenizer("#### 42 ok, ünïcödé 数学", add_special_tokens=False)["input_ids"]
+    assert decode_responses(tokenizer, seqs) == tokenizer.batch_decode(seqs, skip_special_tokens=True)
+
+
+def _reward_with_extras(data_source, solution_str, ground_truth, extra_info=None):
+    score = float(solution_str.strip().endswith(str(ground_truth)))
+    return {"score": score, "acc": score, "length": len(solution_str)} if len(solution_str) % 2 else score
+
+
+def test_chunked_scores_and_extras_equal_one_call(tokenizer):
+    rng = np.random.default_rng(1)
+    texts = [f"the answer is {i % 7}" + " x" * int(rng.integers(0, 5)) for i in range(40)]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    lengths = np.asarray([len(x) for x in ids])
+    responses = np.zeros((len(ids), lengths.max()), np.int64)
+    for i, x in enumerate(ids):
+        responses[i, : len(x)] = x
+    items = [{"data_source": "custom", "ground_truth": str(i % 3), "extra_info": {}} for i in range(40)]
+    rewards = RewardManager(_reward_with_extras)
+    got = StepScorer(tokenizer, rewards, chunk=7).score(items, responses, lengths)
+    want = rewards.score_batch(["custom"] * 40, texts, [it["ground_truth"] for it in items], [{}] * 40)
+    np.testing.assert_array_equal(got.scores, want.scores)
+    assert got.metrics == want.metrics
+    assert got.extra_info.keys() == want.extra_info.keys() and got.extra_info == want.extra_info
+    assert len(got.extra_info["acc"]) == 40 and got.exposed_s == 0.0
+
+
+def test_exposed_time_counts_scoring_after_the_device_is_done(tokenizer):
+    items = [{"data_source": "openai/gsm8k", "ground_truth": "1"}] * 64
+    responses = np.full((64, 50), 1000, np.int64)
+    lengths = np.full(64, 50)
+    scorer = StepScorer(tokenizer, RewardManager(), chunk=8)
+    busy = scorer.score(items, responses, lengths, device_done=lambda: False)
+    done = scorer.score(items, responses, lengths, device_done=lambda: True)
+    assert busy.exposed_s == 0.0 and done.exposed_s > 0.0
+    calls = iter(range(100))
+    half = scorer.score(items, responses, lengths, device_done=lambda: next(calls) >= 4)  # done mid-way
+    assert half.exposed_s > 0.0
