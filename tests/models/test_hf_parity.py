@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from jaxrl_llm.models import load_hf, save_hf
+from jaxrl_llm.models.hf_io import is_critic_checkpoint
 from tests.hf_models import LLAMA3_ROPE, make_hf_model
 
 CASES = {
@@ -71,7 +72,7 @@ def test_logits_match_transformers_then_roundtrip(tmp_path, case):
     ref = _torch_logits(ref_model, ids, mask, pos)
 
     model = load_hf(hf_dir, dtype="float32")
-    assert model.cfg.model_type == CASES[case]["family"]
+    assert model.cfg.model_type == CASES[case]["family"] and not is_critic_checkpoint(hf_dir)
     ours = _ours(model, ids, mask)
     valid = mask.astype(bool)
     assert _rel_err(ours[valid], ref[valid]) <= 1e-5
@@ -104,6 +105,7 @@ def test_critic_loads_token_classification_then_roundtrip(tmp_path, family, extr
     ids, mask, pos = _inputs(ref_model.config.vocab_size)
     ref = _torch_logits(ref_model, ids, mask, pos)[..., 0]  # [B, T]
 
+    assert is_critic_checkpoint(hf_dir)  # how the trainer tells a critic dir from an actor dir
     critic = load_hf(hf_dir, critic=True)
     ours = _ours(critic, ids, mask)
     valid = mask.astype(bool)

@@ -128,6 +128,11 @@ def test_other_families_greedy_matches_transformers_and_logprobs_the_forward(tmp
         assert out.response_ids(i) == ref, f"prompt {i}"
         assert len(set(ref)) > 3
     assert max(len(p) + int(n) for p, n in zip(PROMPTS, out.lengths)) > LLAMA3_ROPE["original_max_position_embeddings"]
+    # The family's extra weights (q/k norms) shard like the rest on a fsdp x tensor mesh.
+    sharded = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", mesh=sharding.make_mesh(1, 4, 2),
+                        prompt_bucket=8, gen_bucket=16)
+    np.testing.assert_array_equal(sharded.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=30)).tokens,
+                                  out.tokens)
 
     temp = 0.7  # the wide init's logits leave fp32 rounding of ~1e-5 (see the logprob test above)
     out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=temp, top_k=20, max_new_tokens=30, seed=3))
