@@ -1,9 +1,9 @@
 """`python -m jaxrl_llm.export --checkpoint RUN_DIR[/checkpoints/STEP] --out DIR [--dtype bfloat16]`
 
 Writes the actor of a run checkpoint as a HF directory (config.json, safetensors, generation config,
-the run's tokenizer) that transformers and vLLM load. With `--critic` it writes the critic as a
-`Qwen2ForTokenClassification` instead. Parameters are restored on the host, so no accelerator is
-needed.
+the run's tokenizer) that transformers and vLLM load, for any supported family (the checkpoint keeps
+the model's HF config). With `--critic` it writes the critic as the family's `*ForTokenClassification`
+instead. Parameters are restored on the host, so no accelerator is needed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxrl_llm.checkpoint import NoValidCheckpointError, RunCheckpointer, resolve_resume
-from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.hf_io import write_hf_dir
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def _host_target(metadata):
 
 
 def load_checkpoint_params(checkpoint: str, *, critic: bool = False):
-    """(step, params on the host, Qwen2Config, run dir) of a run checkpoint (the latest valid one when
+    """(step, params on the host, DecoderConfig, run dir) of a run checkpoint (the latest valid one when
     `checkpoint` is a run dir or a checkpoints dir)."""
     directory, step = resolve_resume(checkpoint, checkpoint)
     ckpt = RunCheckpointer(directory, read_only=True)
@@ -48,7 +48,7 @@ def load_checkpoint_params(checkpoint: str, *, critic: bool = False):
             args = ocp.args.StandardRestore(_host_target(meta[item]))
             out = ckpt.manager.restore(s, args=ocp.args.Composite(**{item: args, "meta": ocp.args.JsonRestore()}))
             run_dir = os.path.dirname(ckpt.directory)
-            return s, out[item]["params"], Qwen2Config.from_hf(dict(out["meta"]["model"])), run_dir
+            return s, out[item]["params"], DecoderConfig.from_hf(dict(out["meta"]["model"])), run_dir
         except NoValidCheckpointError:
             raise
         except Exception as e:  # a corrupted step: try the one before, as resume does

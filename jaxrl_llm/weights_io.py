@@ -1,8 +1,8 @@
 """Weights-only Orbax checkpoints: how trainer params travel to a rollout pool in another process.
 
 Each step the trainer writes `<dir>/<step>/{params, model}`: the params tree (Orbax, atomic commit)
-and the HF config.json dict of the model, so a reader needs nothing else to rebuild a HF directory
-through the one HF table (`jaxrl_llm.models.write_hf_dir`).
+and the HF config.json dict of the model (its family included), so a reader needs nothing else to
+rebuild a HF directory through the family's HF table (`jaxrl_llm.models.write_hf_dir`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.config import DecoderConfig
 
 
 def _manager(directory: str, *, max_to_keep: int | None = 2, read_only: bool = False) -> ocp.CheckpointManager:
@@ -24,7 +24,7 @@ def _manager(directory: str, *, max_to_keep: int | None = 2, read_only: bool = F
                                                 "model": ocp.JsonCheckpointHandler()})
 
 
-def save_weights(directory: str, step: int, params, cfg: Qwen2Config, *, max_to_keep: int = 2) -> str:
+def save_weights(directory: str, step: int, params, cfg: DecoderConfig, *, max_to_keep: int = 2) -> str:
     """Writes params (any sharding) and the model's HF config; returns the step directory."""
     with _manager(directory, max_to_keep=max_to_keep) as mngr:
         mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
@@ -40,7 +40,7 @@ def latest_weights_step(directory: str) -> int | None:
         return mngr.latest_step()
 
 
-def restore_weights(directory: str, step: int | None = None) -> tuple[int, dict, Qwen2Config]:
+def restore_weights(directory: str, step: int | None = None) -> tuple[int, dict, DecoderConfig]:
     """(step, params as host numpy arrays, config) of `step` (default: the latest)."""
     with _manager(directory, read_only=True) as mngr:
         step = mngr.latest_step() if step is None else step
@@ -52,4 +52,4 @@ def restore_weights(directory: str, step: int | None = None) -> tuple[int, dict,
         restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target),
                                                                model=ocp.args.JsonRestore()))
     params = jax.tree.map(np.asarray, restored["params"])
-    return step, params, Qwen2Config.from_hf(dict(restored["model"]))
+    return step, params, DecoderConfig.from_hf(dict(restored["model"]))

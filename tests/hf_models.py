@@ -1,4 +1,4 @@
-"""Tiny random HF Qwen2 checkpoints built with transformers (the parity reference)."""
+"""Tiny random HF checkpoints of every supported family, built with transformers (the parity reference)."""
 
 from __future__ import annotations
 
@@ -7,28 +7,42 @@ import pathlib
 import torch
 import transformers
 
+# family -> (config class, causal LM class, token-classification class)
+HF_CLASSES = {
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, transformers.Qwen2ForTokenClassification),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, transformers.Qwen3ForTokenClassification),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, transformers.LlamaForTokenClassification),
+}
 
-def hf_config(**overrides) -> transformers.Qwen2Config:
+# Llama 3's RoPE bands on a short original context: with head_dim 16 and theta 1e4 the wavelengths
+# are 6.3, 20, 63, 199, ... tokens, so one band is kept (< 32 / 4), one is interpolated (8 .. 32)
+# and the rest are divided by `factor` (> 32); sequences longer than 32 tokens go past the context.
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32)
+
+
+def hf_config(family: str = "qwen2", **overrides):
     base = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                 rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
                 eos_token_id=1, pad_token_id=0)
     base.update(overrides)
-    return transformers.Qwen2Config(**base)
+    return HF_CLASSES[family][0](**base)
 
 
-def make_hf_model(out_dir: pathlib.Path | None = None, *, seed: int = 0, critic: bool = False,
+def make_hf_model(out_dir: pathlib.Path | None = None, *, family: str = "qwen2", seed: int = 0, critic: bool = False,
                   random_biases: bool = True, **overrides):
-    """A random Qwen2ForCausalLM (or ForTokenClassification), saved to `out_dir` when given.
+    """A random causal LM (or ForTokenClassification) of `family`, saved to `out_dir` when given.
 
-    HF initialises biases to zero; `random_biases` fills them so that parity covers them too.
+    HF initialises biases to zero and norms to one; `random_biases` fills them (q/k/v biases, the
+    layer norms, Qwen3's q/k norms, the value head's bias) so that parity covers them too.
     """
     torch.manual_seed(seed)
-    cfg = hf_config(**overrides)
-    cls = transformers.Qwen2ForTokenClassification if critic else transformers.Qwen2ForCausalLM
+    cfg = hf_config(family, **overrides)
+    _, lm_cls, critic_cls = HF_CLASSES[family]
     if critic:
         cfg.num_labels = 1
-    model = cls(cfg).eval().float()
+    model = (critic_cls if critic else lm_cls)(cfg).eval().float()
     if random_biases:
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -399,6 +399,19 @@ def test_hf_model_with_unsupported_architecture(tmp_path, hf_dir, capsys):
                       run_dir=tmp_path / "run")
 
 
+@pytest.mark.parametrize("edit,needles", [
+    (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2,
+          moe_intermediate_size=32), ["num_experts=8", "mixture-of-experts", "'qwen3_moe'"]),
+    (dict(use_sliding_window=True, sliding_window=16), ["use_sliding_window=true", "sliding-window"]),
+    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), ["rope_scaling.rope_type='yarn'", "default, llama3"]),
+], ids=["moe", "sliding_window", "rope_type"])
+def test_hf_model_with_unsupported_feature(edit, needles, tmp_path, hf_dir, capsys):
+    path = edited_hf_dir(hf_dir, tmp_path / "hf", lambda c: c.update(edit))
+    res = run_main(tiny_args(tmp_path / "run", "model.preset = None", f"model.path = {str(path)!r}",
+                             "model.overrides = None"), capsys)
+    assert_user_error(res, "ConfigError", str(path / "config.json"), *needles, run_dir=tmp_path / "run")
+
+
 def test_hf_config_missing_a_field(tmp_path, hf_dir, capsys):
     path = edited_hf_dir(hf_dir, tmp_path / "hf", lambda c: c.pop("intermediate_size"))
     res = run_main(tiny_args(tmp_path / "run", "model.preset = None", f"model.path = {str(path)!r}",

@@ -31,3 +31,27 @@ def test_seed_recipe_values():
     assert (ppo.data.train_batch_size, ppo.actor.ppo_mini_batch_size, ppo.actor.lr, ppo.critic.lr) == (128, 64, 1e-6,
                                                                                                        1e-5)
     assert (ppo.data.max_prompt_length, ppo.data.max_response_length, ppo.algo.adv_estimator) == (512, 256, "gae")
+
+
+@pytest.mark.parametrize("recipe,path,preset,family", [
+    ("grpo_qwen3_8b.gin", "Qwen/Qwen3-8B", "qwen3_8b", "qwen3"),
+    ("grpo_llama3p1_8b.gin", "meta-llama/Llama-3.1-8B-Instruct", "llama3p1_8b", "llama"),
+])
+def test_family_recipes_are_the_seed_run_with_another_model(recipe, path, preset, family):
+    """Same values as the Qwen2.5-7B seed run; the model (and the run's names) differ; the preset that
+    benchmarks use in its place (`model.preset`) is the same family and shape."""
+    from jaxrl_llm.models import PRESETS
+    from jaxrl_llm.trainer.worker import model_config
+
+    gin.clear_config()
+    seed = parse_config(["gin/grpo_qwen7b.gin"], [])
+    gin.clear_config()
+    run = parse_config([f"gin/{recipe}"], [])
+    assert run.model.path == path and run.trainer.experiment_name == recipe.removesuffix(".gin") + "_gsm8k"
+    assert (run.rollout, run.actor, run.algo, run.data) == (seed.rollout, seed.actor, seed.algo, seed.data)
+    gin.clear_config()
+    bench = parse_config([f"gin/{recipe}"], ["model.path = None", f"model.preset = {preset!r}",
+                                            "model.tokenizer_path = '/work/shared/data/qwen2_tokenizer'"])
+    cfg = model_config(bench)
+    assert cfg == PRESETS[preset](dtype="bfloat16", param_dtype="float32", remat="full")
+    assert cfg.model_type == family

@@ -1,4 +1,5 @@
-"""Qwen2 / Qwen2.5 model configuration: presets with HF's exact shapes and HF config.json I/O."""
+"""Decoder configuration for every supported family (Qwen2/2.5, Qwen3, Llama 3.x): presets with HF's
+exact shapes, and HF config.json I/O (the family specifics live in `families.py`)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ from typing import Any
 import gin
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2ForTokenClassification")
+from jaxrl_llm.models import families
+from jaxrl_llm.models.errors import ConfigError
+from jaxrl_llm.models.rope import RopeScaling, rope_scaling_from_hf
 
-
-class ConfigError(ValueError):
-    """A model config that we cannot load; the message names the field."""
+SUPPORTED_ARCHITECTURES = tuple(a for f in families.FAMILIES.values() for a in f.architectures)
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class Qwen2Config:
-    """Shapes and numerics of a Qwen2 decoder.
+class DecoderConfig:
+    """Shapes and numerics of a decoder of one of the supported families.
 
+    `model_type` is the HF family ("qwen2", "qwen3" or "llama", see `families.py`); it switches the
+    q/k/v biases (`qkv_bias`) and the per-head q/k RMSNorm (`qk_norm`). `rope_scaling` is None (plain
+    RoPE) or Llama 3's frequency bands (a `RopeScaling`, or HF's dict form, converted on creation).
     The shape fields use HF's names so that `from_hf(config.json)` is a rename-free read.
     `dtype` is the compute dtype and `param_dtype` the storage dtype (fp32 master weights with bf16
     compute is the usual training setup). `remat` picks the activation-checkpoint policy of the layer
@@ -31,6 +35,7 @@ class Qwen2Config:
     dtype is 16-bit, else xla).
     """
 
+    model_type: str = "qwen2"
     vocab_size: int = 151936
     hidden_size: int = 896
     intermediate_size: int = 4864
@@ -40,11 +45,12 @@ class Qwen2Config:
     head_dim: int | None = None
     max_position_embeddings: int = 32768
     rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     bos_token_id: int | None = 151643
-    eos_token_id: int | list[int] | None = 151643
+    eos_token_id: int | tuple[int, ...] | None = 151643
     pad_token_id: int | None = None
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -52,6 +58,14 @@ class Qwen2Config:
     attention_impl: str = "auto"
 
     def __post_init__(self):
+        families.family(self.model_type)  # a ConfigError naming the supported families
+        if isinstance(self.eos_token_id, list):  # hashable: configs are cache keys and static jit arguments
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if isinstance(self.rope_scaling, dict):  # HF's form, e.g. from gin's model.overrides
+            object.__setattr__(self, "rope_scaling", rope_scaling_from_hf(
+                self.rope_scaling, where="DecoderConfig", max_position_embeddings=self.max_position_embeddings))
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(f"rope_scaling={self.rope_scaling!r}; expected None, a RopeScaling or HF's dict")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -77,6 +91,19 @@ class Qwen2Config:
             if not ok:
                 raise ConfigError(f"{name}={value!r} is not a floating-point dtype; use 'float32' or 'bfloat16'")
 
+    # ---- family switches -----------------------------------------------------------------------
+    @property
+    def family(self) -> families.Family:
+        return families.FAMILIES[self.model_type]
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
     # ---- derived sizes -------------------------------------------------------------------------
     @property
     def q_dim(self) -> int:
@@ -97,7 +124,11 @@ class Qwen2Config:
     def num_params(self, *, with_value_head: bool = False) -> int:
         """Exact parameter count, as HF's `model.num_parameters()` reports it."""
         d, f, v, layers = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
-        attn = d * self.q_dim + self.q_dim + 2 * (d * self.kv_dim + self.kv_dim) + self.q_dim * d
+        attn = 2 * d * self.q_dim + 2 * d * self.kv_dim
+        if self.qkv_bias:
+            attn += self.q_dim + 2 * self.kv_dim
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         per_layer = attn + 3 * d * f + 2 * d
         total = v * d + layers * per_layer + d
         if with_value_head:
@@ -106,22 +137,25 @@ class Qwen2Config:
             total += v * d
         return total
 
-    def replace(self, **changes: Any) -> Qwen2Config:
-        _check_field_names(changes, "Qwen2Config.replace")
+    def replace(self, **changes: Any) -> DecoderConfig:
+        _check_field_names(changes, "DecoderConfig.replace")
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def _make(cls, where: str, *parts: dict[str, Any]) -> Qwen2Config:
-        """`cls(**merged parts)` (later parts win); a field name that Qwen2Config does not have is one
+    def _make(cls, where: str, *parts: dict[str, Any]) -> DecoderConfig:
+        """`cls(**merged parts)` (later parts win); a field name that DecoderConfig does not have is one
         `ConfigError` naming it (and `where`), not a TypeError from `__init__`."""
         fields = {k: v for part in parts for k, v in part.items()}
         _check_field_names(fields, where)
-        return cls(**fields)
+        try:
+            return cls(**fields)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
 
     # ---- HF config.json ------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike | dict, **overrides: Any) -> Qwen2Config:
-        """Reads a HF Qwen2 config from a dict, a config.json path, or a model directory."""
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict, **overrides: Any) -> DecoderConfig:
+        """Reads a HF config (any supported family) from a dict, a config.json path, or a model directory."""
         if isinstance(path_or_dict, dict):
             raw, where = path_or_dict, "config dict"
         else:
@@ -136,121 +170,51 @@ class Qwen2Config:
                 raise ConfigError(f"{where}: no config.json; is this a HF model directory?") from None
             except (OSError, json.JSONDecodeError) as e:
                 raise ConfigError(f"{where}: cannot read config.json ({e})") from None
-        archs = raw.get("architectures") or []
-        if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ConfigError(
-                f"{where}: architectures={archs} is not supported; jaxrl_llm loads "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        if raw.get("model_type") not in (None, "qwen2"):
-            raise ConfigError(f"{where}: model_type={raw.get('model_type')!r}; expected 'qwen2'")
-        if raw.get("use_sliding_window", False):
-            raise ConfigError(f"{where}: use_sliding_window=true is not supported")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(f"{where}: rope type {rope_type!r} is not supported (only default RoPE)")
-        theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{where}: hidden_act={raw['hidden_act']!r}; Qwen2 uses 'silu'")
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        missing = [k for k in required if raw.get(k) is None]
-        if missing:
-            raise ConfigError(f"{where}: missing field(s) {missing}; a Qwen2 config.json needs {list(required)}")
-        fields = dict(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=raw["num_attention_heads"],
-            num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-            head_dim=raw.get("head_dim"),
-            max_position_embeddings=raw.get("max_position_embeddings", 32768),
-            rope_theta=float(theta),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            initializer_range=raw.get("initializer_range", 0.02),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=raw.get("eos_token_id"),
-            pad_token_id=raw.get("pad_token_id"),
-        )
-        fields.update(overrides)
-        return cls._make(where, fields, overrides)
+        return cls._make(where, families.fields_from_hf(raw, where), overrides)
 
-    def to_hf(self, *, architecture: str = "Qwen2ForCausalLM") -> dict:
-        """The config.json dict that transformers and vLLM read."""
-        out = {
-            "architectures": [architecture],
-            "model_type": "qwen2",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "max_window_layers": self.num_hidden_layers,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "initializer_range": self.initializer_range,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "attention_dropout": 0.0,
-            "use_cache": True,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "torch_dtype": "bfloat16" if self.param_dtype == "bfloat16" else "float32",
-        }
-        if self.pad_token_id is not None:
-            out["pad_token_id"] = self.pad_token_id
-        if architecture == "Qwen2ForTokenClassification":
-            out["num_labels"] = 1
-            out["id2label"] = {"0": "LABEL_0"}
-            out["label2id"] = {"LABEL_0": 0}
-        return out
+    def to_hf(self, *, critic: bool = False) -> dict:
+        """The config.json dict that transformers and vLLM read (`critic`: the token-classification model)."""
+        return families.hf_from_config(self, critic=critic)
 
     # ---- presets (HF's exact shapes) -----------------------------------------------------------
     @classmethod
-    def qwen2p5_0p5b(cls, **kw) -> Qwen2Config:
+    def qwen2p5_0p5b(cls, **kw) -> DecoderConfig:
         return cls._make("preset 'qwen2p5_0p5b'", _QWEN2P5_COMMON, dict(
             hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
             num_key_value_heads=2, tie_word_embeddings=True), kw)
 
     @classmethod
-    def qwen2p5_1p5b(cls, **kw) -> Qwen2Config:
+    def qwen2p5_1p5b(cls, **kw) -> DecoderConfig:
         return cls._make("preset 'qwen2p5_1p5b'", _QWEN2P5_COMMON, dict(
             hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
             num_key_value_heads=2, tie_word_embeddings=True), kw)
 
     @classmethod
-    def qwen2p5_3b(cls, **kw) -> Qwen2Config:
+    def qwen2p5_3b(cls, **kw) -> DecoderConfig:
         return cls._make("preset 'qwen2p5_3b'", _QWEN2P5_COMMON, dict(
             hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
             num_key_value_heads=2, tie_word_embeddings=True), kw)
 
     @classmethod
-    def qwen2p5_7b(cls, **kw) -> Qwen2Config:
+    def qwen2p5_7b(cls, **kw) -> DecoderConfig:
         return cls._make("preset 'qwen2p5_7b'", _QWEN2P5_COMMON, dict(
             vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
             num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False), kw)
 
     @classmethod
-    def qwen2p5_14b(cls, **kw) -> Qwen2Config:
+    def qwen2p5_14b(cls, **kw) -> DecoderConfig:
         return cls._make("preset 'qwen2p5_14b'", _QWEN2P5_COMMON, dict(
             vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
             num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5, tie_word_embeddings=False), kw)
 
     @classmethod
-    def qwen2p5_32b(cls, **kw) -> Qwen2Config:
+    def qwen2p5_32b(cls, **kw) -> DecoderConfig:
         return cls._make("preset 'qwen2p5_32b'", _QWEN2P5_COMMON, dict(
             vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
             num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5, tie_word_embeddings=False), kw)
 
     @classmethod
-    def qwen2_7b(cls, **kw) -> Qwen2Config:
+    def qwen2_7b(cls, **kw) -> DecoderConfig:
         return cls._make("preset 'qwen2_7b'", dict(
             vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
             num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
@@ -258,7 +222,55 @@ class Qwen2Config:
             eos_token_id=151643), kw)
 
     @classmethod
-    def tiny(cls, **kw) -> Qwen2Config:
+    def qwen3_0p6b(cls, **kw) -> DecoderConfig:
+        return cls._make("preset 'qwen3_0p6b'", _QWEN3_COMMON, dict(
+            hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+            num_key_value_heads=8, tie_word_embeddings=True), kw)
+
+    @classmethod
+    def qwen3_1p7b(cls, **kw) -> DecoderConfig:
+        return cls._make("preset 'qwen3_1p7b'", _QWEN3_COMMON, dict(
+            hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+            num_key_value_heads=8, tie_word_embeddings=True), kw)
+
+    @classmethod
+    def qwen3_4b(cls, **kw) -> DecoderConfig:
+        return cls._make("preset 'qwen3_4b'", _QWEN3_COMMON, dict(
+            hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+            num_key_value_heads=8, tie_word_embeddings=True), kw)
+
+    @classmethod
+    def qwen3_8b(cls, **kw) -> DecoderConfig:
+        return cls._make("preset 'qwen3_8b'", _QWEN3_COMMON, dict(
+            hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+            num_key_value_heads=8, tie_word_embeddings=False), kw)
+
+    @classmethod
+    def llama3p2_1b(cls, **kw) -> DecoderConfig:
+        return cls._make("preset 'llama3p2_1b'", _LLAMA3_COMMON, dict(
+            hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+            rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192)), kw)
+
+    @classmethod
+    def llama3p2_3b(cls, **kw) -> DecoderConfig:
+        return cls._make("preset 'llama3p2_3b'", _LLAMA3_COMMON, dict(
+            hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+            num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+            rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192)), kw)
+
+    @classmethod
+    def llama3p1_8b(cls, **kw) -> DecoderConfig:
+        return cls._make("preset 'llama3p1_8b'", _LLAMA3_COMMON, dict(
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+            rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192)), kw)
+
+    @classmethod
+    def tiny(cls, **kw) -> DecoderConfig:
         """A few-kilobyte model for tests: GQA ratio 2, untied head, odd-free small sizes."""
         base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -268,33 +280,50 @@ class Qwen2Config:
 
 
 def _check_field_names(fields: dict[str, Any], where: str) -> None:
-    """One ConfigError for names that are not Qwen2Config fields (a typo in model.overrides, say)."""
-    known = [f.name for f in dataclasses.fields(Qwen2Config)]
+    """One ConfigError for names that are not DecoderConfig fields (a typo in model.overrides, say)."""
+    known = [f.name for f in dataclasses.fields(DecoderConfig)]
     unknown = [k for k in fields if k not in known]
     if unknown:
         close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
         hints = "".join(f" (did you mean {c[0]!r} for {k!r}?)" for k, c in close.items() if c)
-        raise ConfigError(f"{where}: Qwen2Config has no field(s) {unknown}{hints}; check the overrides "
+        raise ConfigError(f"{where}: DecoderConfig has no field(s) {unknown}{hints}; check the overrides "
                           f"(gin: model.overrides); known fields: {known}")
 
 
 _QWEN2P5_COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
                        rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643)
+# The released (post-trained) Qwen3 checkpoints: <|im_end|> ends a turn.
+_QWEN3_COMMON = dict(model_type="qwen3", vocab_size=151936, head_dim=128, max_position_embeddings=40960,
+                     rope_theta=1_000_000.0, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)
+# The Instruct checkpoints' token ids (<|end_of_text|>, <|eom_id|>, <|eot_id|> end a response).
+_LLAMA3_COMMON = dict(model_type="llama", vocab_size=128256, max_position_embeddings=131072, rope_theta=500_000.0,
+                      rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=[128001, 128008, 128009])
 
 PRESETS = {
-    "qwen2p5_0p5b": Qwen2Config.qwen2p5_0p5b,
-    "qwen2p5_1p5b": Qwen2Config.qwen2p5_1p5b,
-    "qwen2p5_3b": Qwen2Config.qwen2p5_3b,
-    "qwen2p5_7b": Qwen2Config.qwen2p5_7b,
-    "qwen2p5_14b": Qwen2Config.qwen2p5_14b,
-    "qwen2p5_32b": Qwen2Config.qwen2p5_32b,
-    "qwen2_7b": Qwen2Config.qwen2_7b,
-    "tiny": Qwen2Config.tiny,
+    "qwen2p5_0p5b": DecoderConfig.qwen2p5_0p5b,
+    "qwen2p5_1p5b": DecoderConfig.qwen2p5_1p5b,
+    "qwen2p5_3b": DecoderConfig.qwen2p5_3b,
+    "qwen2p5_7b": DecoderConfig.qwen2p5_7b,
+    "qwen2p5_14b": DecoderConfig.qwen2p5_14b,
+    "qwen2p5_32b": DecoderConfig.qwen2p5_32b,
+    "qwen2_7b": DecoderConfig.qwen2_7b,
+    "qwen3_0p6b": DecoderConfig.qwen3_0p6b,
+    "qwen3_1p7b": DecoderConfig.qwen3_1p7b,
+    "qwen3_4b": DecoderConfig.qwen3_4b,
+    "qwen3_8b": DecoderConfig.qwen3_8b,
+    "llama3p2_1b": DecoderConfig.llama3p2_1b,
+    "llama3p2_3b": DecoderConfig.llama3p2_3b,
+    "llama3p1_8b": DecoderConfig.llama3p1_8b,
+    "tiny": DecoderConfig.tiny,
 }
 
 
+# The name most modules import: the decoder config was Qwen2's before the other families joined.
+Qwen2Config = DecoderConfig
+
+
 @gin.configurable
-def model_config(preset: str = gin.REQUIRED, **overrides: Any) -> Qwen2Config:
+def model_config(preset: str = gin.REQUIRED, **overrides: Any) -> DecoderConfig:
     """Gin entry point: a preset by name with field overrides (`model_config.preset = 'qwen2p5_7b'`)."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown model preset {preset!r}; known: {', '.join(sorted(PRESETS))}")

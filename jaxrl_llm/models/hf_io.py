@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl_llm.models.config import ConfigError, Qwen2Config
+from jaxrl_llm.models.config import ConfigError, DecoderConfig
+from jaxrl_llm.models.families import is_critic_hf
 from jaxrl_llm.models.hf_table import IGNORED_HF_SUFFIXES, ParamRow, get_path, param_table, set_path
 from jaxrl_llm.models.params import graphdef_and_abstract_params, param_shardings
 from jaxrl_llm.models.safetensors_io import SafetensorsError, SafetensorsFile, save_file
@@ -74,7 +75,7 @@ def _open_tensors(path: str) -> dict[str, SafetensorsFile]:
     return by_tensor
 
 
-def _check_names_and_shapes(cfg: Qwen2Config, rows: list[ParamRow], tensors: dict, where: str,
+def _check_names_and_shapes(cfg: DecoderConfig, rows: list[ParamRow], tensors: dict, where: str,
                             critic: bool) -> None:
     expected = {}
     for row in rows:
@@ -96,7 +97,7 @@ def _check_names_and_shapes(cfg: Qwen2Config, rows: list[ParamRow], tensors: dic
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings and not critic:
             continue  # some exports store the tied head too; HF ignores it
-        raise CheckpointError(f"{where}: unexpected tensor {name!r} (not part of a Qwen2 "
+        raise CheckpointError(f"{where}: unexpected tensor {name!r} (not part of a {cfg.model_type} "
                               f"{'critic' if critic else 'causal LM'} with this config.json)")
 
 
@@ -119,7 +120,17 @@ def _row_reader(row: ParamRow, tensors: dict, num_layers: int, dtype):
     return read
 
 
-def load_params(path: str, cfg: Qwen2Config, *, mesh: Mesh | None = None, critic: bool = False):
+def is_critic_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether a HF directory holds a value model (the family's `*ForTokenClassification`)."""
+    config_path = os.path.join(os.fspath(path), "config.json")
+    try:
+        with open(config_path) as f:
+            return is_critic_hf(json.load(f))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{config_path}: cannot read config.json ({e})") from None
+
+
+def load_params(path: str, cfg: DecoderConfig, *, mesh: Mesh | None = None, critic: bool = False):
     """Reads a HF directory into a params dict placed with the table's shardings."""
     tensors = _open_tensors(path)
     rows = param_table(cfg, critic=critic)
@@ -137,16 +148,16 @@ def load_params(path: str, cfg: Qwen2Config, *, mesh: Mesh | None = None, critic
 
 def load_hf(path: str | os.PathLike, *, dtype: str = "float32", param_dtype: str | None = None,
             mesh: Mesh | None = None, critic: bool = False, **config_overrides) -> nnx.Module:
-    """Loads a local HF Qwen2/Qwen2.5 checkpoint as a (sharded) Flax model.
+    """Loads a local HF checkpoint of a supported family (Qwen2/2.5, Qwen3, Llama 3.x) as a (sharded) Flax model.
 
     Args:
       path: directory with config.json and model.safetensors (or an index + shards).
       dtype: compute dtype. param_dtype: storage dtype (defaults to `dtype`).
       mesh: place params with the logical-axis rules on this mesh (None: the first device).
-      critic: load a `Qwen2ForTokenClassification` (value model) instead of a causal LM.
+      critic: load the family's `*ForTokenClassification` (value model) instead of a causal LM.
     """
     path = os.fspath(path)
-    cfg = Qwen2Config.from_hf(path, dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
+    cfg = DecoderConfig.from_hf(path, dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
     params = load_params(path, cfg, mesh=mesh, critic=critic)
     graphdef, _ = graphdef_and_abstract_params(cfg, critic=critic)
     return nnx.merge(graphdef, params)
@@ -155,7 +166,7 @@ def load_hf(path: str | os.PathLike, *, dtype: str = "float32", param_dtype: str
 # ---- export ------------------------------------------------------------------------------------
 
 
-def iter_hf_tensors(params, cfg: Qwen2Config, *, critic: bool = False,
+def iter_hf_tensors(params, cfg: DecoderConfig, *, critic: bool = False,
                     dtype=None) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, host array in HF layout) for every tensor, one layer slice at a time."""
     for row in param_table(cfg, critic=critic):
@@ -178,7 +189,7 @@ def _parse_size(size: int | str) -> int:
     return int(s)
 
 
-def write_hf_dir(params, cfg: Qwen2Config, out_dir: str | os.PathLike, *, critic: bool = False,
+def write_hf_dir(params, cfg: DecoderConfig, out_dir: str | os.PathLike, *, critic: bool = False,
                  tokenizer_dir: str | None = None, dtype: str | None = None,
                  max_shard_size: int | str = "5GB") -> str:
     """Writes config.json, generation_config.json, safetensors (sharded with an index above
@@ -224,7 +235,7 @@ def write_hf_dir(params, cfg: Qwen2Config, out_dir: str | os.PathLike, *, critic
         with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
-    hf_cfg = cfg.to_hf(architecture="Qwen2ForTokenClassification" if critic else "Qwen2ForCausalLM")
+    hf_cfg = cfg.to_hf(critic=critic)
     if dtype:
         hf_cfg["torch_dtype"] = str(np.dtype(jax.numpy.dtype(dtype)).name)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -247,12 +258,12 @@ def write_hf_dir(params, cfg: Qwen2Config, out_dir: str | os.PathLike, *, critic
 def save_hf(model: nnx.Module, out_dir: str | os.PathLike, *, tokenizer_dir: str | None = None,
             dtype: str | None = None, max_shard_size: int | str = "5GB") -> str:
     """Exports a model (causal LM or critic) as a HF directory that transformers and vLLM load."""
-    from jaxrl_llm.models.qwen2 import Qwen2Critic
+    from jaxrl_llm.models.qwen2 import DecoderCritic
 
     params = nnx.to_pure_dict(nnx.state(model))
-    return write_hf_dir(params, model.cfg, out_dir, critic=isinstance(model, Qwen2Critic),
+    return write_hf_dir(params, model.cfg, out_dir, critic=isinstance(model, DecoderCritic),
                         tokenizer_dir=tokenizer_dir, dtype=dtype, max_shard_size=max_shard_size)
 
 
-__all__ = ["CheckpointError", "ConfigError", "load_hf", "load_params", "save_hf", "write_hf_dir",
-           "iter_hf_tensors"]
+__all__ = ["CheckpointError", "ConfigError", "is_critic_checkpoint", "iter_hf_tensors", "load_hf", "load_params",
+           "save_hf", "write_hf_dir"]

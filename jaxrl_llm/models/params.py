@@ -12,18 +12,18 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxrl_llm import sharding
-from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.hf_table import logical_axes_tree
-from jaxrl_llm.models.qwen2 import Qwen2Critic, Qwen2ForCausalLM, abstract_model
+from jaxrl_llm.models.qwen2 import DecoderCritic, DecoderForCausalLM, abstract_model
 
 
-def graphdef_and_abstract_params(cfg: Qwen2Config, *, critic: bool = False):
+def graphdef_and_abstract_params(cfg: DecoderConfig, *, critic: bool = False):
     """(graphdef, params tree of ShapeDtypeStruct)."""
     graphdef, state = nnx.split(abstract_model(cfg, critic=critic))
     return graphdef, nnx.to_pure_dict(state)
 
 
-def param_shardings(cfg: Qwen2Config, mesh: Mesh | None, *, critic: bool = False):
+def param_shardings(cfg: DecoderConfig, mesh: Mesh | None, *, critic: bool = False):
     """A tree of shardings matching the params, from the logical axes of the HF table."""
     _, abstract = graphdef_and_abstract_params(cfg, critic=critic)
     axes = logical_axes_tree(cfg, critic=critic)
@@ -34,9 +34,9 @@ def param_shardings(cfg: Qwen2Config, mesh: Mesh | None, *, critic: bool = False
                         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
-def init_params(cfg: Qwen2Config, *, mesh: Mesh | None = None, seed: int = 0, critic: bool = False):
+def init_params(cfg: DecoderConfig, *, mesh: Mesh | None = None, seed: int = 0, critic: bool = False):
     """Random params created directly in their sharded layout (never whole on one device)."""
-    cls = Qwen2Critic if critic else Qwen2ForCausalLM
+    cls = DecoderCritic if critic else DecoderForCausalLM
     shardings = param_shardings(cfg, mesh, critic=critic)
 
     def make(key):
@@ -45,7 +45,7 @@ def init_params(cfg: Qwen2Config, *, mesh: Mesh | None = None, seed: int = 0, cr
     return jax.jit(make, out_shardings=shardings)(jax.random.key(seed))
 
 
-def init_model(cfg: Qwen2Config, *, mesh: Mesh | None = None, seed: int = 0, critic: bool = False):
+def init_model(cfg: DecoderConfig, *, mesh: Mesh | None = None, seed: int = 0, critic: bool = False):
     """A model with random params (HF's init: normal(initializer_range), zero biases, unit norms)."""
     graphdef, _ = graphdef_and_abstract_params(cfg, critic=critic)
     return nnx.merge(graphdef, init_params(cfg, mesh=mesh, seed=seed, critic=critic))

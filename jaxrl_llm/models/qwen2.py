@@ -1,4 +1,8 @@
-"""Qwen2 / Qwen2.5 decoder in Flax NNX.
+"""The decoder of every supported family (Qwen2/2.5, Qwen3, Llama 3.x) in Flax NNX.
+
+One model, with the family's switches read from its config (`families.py`): biases on q/k/v
+(Qwen2), a per-head RMSNorm on q and k before RoPE (Qwen3), Llama 3's scaled RoPE frequencies
+(`rope.py`), an explicit head_dim and a tied or untied head (all).
 
 Module and parameter names follow HF (`model.layers.self_attn.q_proj.kernel`), so the HF table in
 `hf_table.py` is mostly renames. Decoder layers are stacked on a leading axis and run with
@@ -23,7 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm import sharding
-from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -32,7 +37,7 @@ def _dtype(name: str):
     return jnp.dtype(name)
 
 
-# ---- positions, masks and rotary embeddings --------------------------------------------------------
+# ---- positions and masks (RoPE lives in rope.py) -----------------------------------------------------
 
 
 def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
@@ -63,28 +68,6 @@ def segment_mask(q_segment: jax.Array, kv_segment: jax.Array, q_index: jax.Array
     same = (q_segment[:, :, None] == kv_segment[:, None, :]) & (kv_segment[:, None, :] > 0)
     causal = kv_index[:, None, :] <= q_index[:, :, None]
     return (same & causal)[:, None]
-
-
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """HF's non-interleaved RoPE tables.
-
-    Args:
-      positions: [B, T] int.
-    Returns:
-      cos, sin: [B, T, H] float32.
-    """
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, H]
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [B, T, heads, H]; cos/sin: [B, T, H]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
 
 
 def _use_cudnn(impl: str, dtype) -> bool:
@@ -138,7 +121,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel [in, out] stored in param_dtype, computed in dtype."""
 
-    def __init__(self, din: int, dout: int, *, use_bias: bool, cfg: Qwen2Config, rngs: nnx.Rngs):
+    def __init__(self, din: int, dout: int, *, use_bias: bool, cfg: DecoderConfig, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(cfg.initializer_range)
         self.kernel = nnx.Param(init(rngs.params(), (din, dout), _dtype(cfg.param_dtype)))
         self.bias = nnx.Param(jnp.zeros((dout,), _dtype(cfg.param_dtype))) if use_bias else None
@@ -152,14 +135,14 @@ class Linear(nnx.Module):
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF Qwen2RMSNorm: normalise in fp32, cast back to x's dtype, then scale."""
+    """HF's RMSNorm (Qwen2, Qwen3 and Llama alike): normalise in fp32, cast back to x's dtype, then scale."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight.astype(x.dtype) * xf.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, cfg: Qwen2Config):
+    def __init__(self, dim: int, *, cfg: DecoderConfig):
         self.weight = nnx.Param(jnp.ones((dim,), _dtype(cfg.param_dtype)))
         self.eps = cfg.rms_norm_eps
 
@@ -168,11 +151,15 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
-        self.q_proj = Linear(cfg.hidden_size, cfg.q_dim, use_bias=True, cfg=cfg, rngs=rngs)
-        self.k_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=True, cfg=cfg, rngs=rngs)
-        self.v_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=True, cfg=cfg, rngs=rngs)
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        bias = cfg.qkv_bias
+        self.q_proj = Linear(cfg.hidden_size, cfg.q_dim, use_bias=bias, cfg=cfg, rngs=rngs)
+        self.k_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=bias, cfg=cfg, rngs=rngs)
+        self.v_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=bias, cfg=cfg, rngs=rngs)
         self.o_proj = Linear(cfg.q_dim, cfg.hidden_size, use_bias=False, cfg=cfg, rngs=rngs)
+        # Qwen3: RMSNorm over each head's H features (weights shared by the heads), before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg=cfg) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg=cfg) if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.impl = cfg.attention_impl
@@ -183,6 +170,8 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def output(self, attn: jax.Array) -> jax.Array:
@@ -192,7 +181,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, cfg=cfg, rngs=rngs)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, cfg=cfg, rngs=rngs)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=False, cfg=cfg, rngs=rngs)
@@ -204,7 +193,7 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
         self.self_attn = Attention(cfg, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
@@ -235,10 +224,10 @@ _REMAT_POLICIES = {
 }
 
 
-class Qwen2Model(nnx.Module):
+class DecoderModel(nnx.Module):
     """Embedding, L stacked decoder layers and the final norm; returns hidden states."""
 
-    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         init = jax.nn.initializers.normal(cfg.initializer_range)
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=init,
@@ -278,7 +267,7 @@ class Qwen2Model(nnx.Module):
             lengths = jnp.full((b,), t, jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         x = self.embed_tokens(input_ids)  # [B, T, D]
         x = sharding.constrain(x, ("batch", "length", "act_embed"))
 
@@ -294,12 +283,12 @@ class Qwen2Model(nnx.Module):
         return self.norm(x)
 
 
-class Qwen2ForCausalLM(nnx.Module):
+class DecoderForCausalLM(nnx.Module):
     """Causal LM: `model(input_ids, positions=None, attention_mask=None)` returns fp32 logits [B, T, V]."""
 
-    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.model = Qwen2Model(cfg, rngs=rngs)
+        self.model = DecoderModel(cfg, rngs=rngs)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -326,12 +315,12 @@ class Qwen2ForCausalLM(nnx.Module):
         return self.logits_from_hidden(h)
 
 
-class Qwen2Critic(nnx.Module):
-    """The Qwen2 backbone with a scalar value head (HF `Qwen2ForTokenClassification`, num_labels=1)."""
+class DecoderCritic(nnx.Module):
+    """The backbone with a scalar value head (HF `*ForTokenClassification` of the family, num_labels=1)."""
 
-    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.model = Qwen2Model(cfg, rngs=rngs)
+        self.model = DecoderModel(cfg, rngs=rngs)
         self.score = Linear(cfg.hidden_size, 1, use_bias=True, cfg=cfg, rngs=rngs)
 
     def __call__(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None, lengths=None):
@@ -341,10 +330,15 @@ class Qwen2Critic(nnx.Module):
 
 
 @functools.cache
-def _abstract(cls, cfg: Qwen2Config):
+def _abstract(cls, cfg: DecoderConfig):
     return nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
 
 
-def abstract_model(cfg: Qwen2Config, *, critic: bool = False) -> nnx.Module:
+def abstract_model(cfg: DecoderConfig, *, critic: bool = False) -> nnx.Module:
     """The model with ShapeDtypeStruct leaves: no memory, for shardings and param counts."""
-    return _abstract(Qwen2Critic if critic else Qwen2ForCausalLM, cfg)
+    return _abstract(DecoderCritic if critic else DecoderForCausalLM, cfg)
+
+
+# Names from before the other families joined; other modules and users import them.
+Qwen2ForCausalLM = DecoderForCausalLM
+Qwen2Critic = DecoderCritic

@@ -23,14 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import sharding
-from jaxrl_llm.models.qwen2 import (
-    _MASK_VALUE,
-    apply_rope,
-    dot_product_attention,
-    rms_norm,
-    rope_cos_sin,
-    segment_mask,
-)
+from jaxrl_llm.models.qwen2 import _MASK_VALUE, dot_product_attention, rms_norm, segment_mask
+from jaxrl_llm.models.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
 from jaxrl_llm.rollout.sampling import sample_next, token_logprobs
 
 
@@ -43,6 +37,7 @@ class DecodeSpec:
     num_kv_heads: int
     head_dim: int
     rope_theta: float
+    rope_scaling: RopeScaling | None
     rms_norm_eps: float
     temperature: float
     top_k: int
@@ -51,37 +46,55 @@ class DecodeSpec:
     pad_id: int
     max_new_tokens: int
 
+    def inv_freq(self) -> jax.Array:
+        """RoPE inverse frequencies [H/2], from the function the trainer's model uses too."""
+        return rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+
 
 def engine_layer(layer: dict, dtype) -> dict:
-    """One trainer layer (pure dict, unstacked) -> the fused engine layer."""
+    """One trainer layer (pure dict, unstacked) -> the fused engine layer.
+
+    The family's optional weights carry over when the trainer layer has them: q/k/v biases (Qwen2)
+    as `qkv_b`, the per-head q/k norms (Qwen3) as `q_norm` / `k_norm`.
+    """
     a, m = layer["self_attn"], layer["mlp"]
     cast = lambda x: x.astype(dtype)
-    return {
+    out = {
         "ln1": cast(layer["input_layernorm"]["weight"]),
         "qkv_w": cast(jnp.concatenate([a["q_proj"]["kernel"], a["k_proj"]["kernel"], a["v_proj"]["kernel"]], -1)),
-        "qkv_b": cast(jnp.concatenate([a["q_proj"]["bias"], a["k_proj"]["bias"], a["v_proj"]["bias"]], -1)),
         "o_w": cast(a["o_proj"]["kernel"]),
         "ln2": cast(layer["post_attention_layernorm"]["weight"]),
         "gate_up_w": cast(jnp.concatenate([m["gate_proj"]["kernel"], m["up_proj"]["kernel"]], -1)),
         "down_w": cast(m["down_proj"]["kernel"]),
     }
+    if "bias" in a["q_proj"]:
+        out["qkv_b"] = cast(jnp.concatenate([a["q_proj"]["bias"], a["k_proj"]["bias"], a["v_proj"]["bias"]], -1))
+    if "q_norm" in a:
+        out["q_norm"], out["k_norm"] = cast(a["q_norm"]["weight"]), cast(a["k_norm"]["weight"])
+    return out
 
 
 ENGINE_LAYER_AXES = {
     "ln1": ("norm",), "qkv_w": ("embed", "q_heads"), "qkv_b": ("q_heads",), "o_w": ("q_heads", "embed"),
-    "ln2": ("norm",), "gate_up_w": ("embed", "mlp"), "down_w": ("mlp", "embed"),
+    "ln2": ("norm",), "gate_up_w": ("embed", "mlp"), "down_w": ("mlp", "embed"), "q_norm": ("norm",),
+    "k_norm": ("norm",),
 }
 
 
 def _layer(lp: dict, x, cos, sin, attend, spec: DecodeSpec):
-    """The Qwen2 decoder layer on fused weights. x [B, T, D] -> (x, aux of `attend`)."""
+    """The decoder layer on fused weights (any family: the optional weights in `lp` switch its parts).
+    x [B, T, D] -> (x, aux of `attend`)."""
     b, t, _ = x.shape
     n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
     y = rms_norm(x, lp["ln1"], spec.rms_norm_eps)
-    qkv = jnp.dot(y, lp["qkv_w"]) + lp["qkv_b"]  # [B, T, (N + 2K) H]
+    qkv = jnp.dot(y, lp["qkv_w"])  # [B, T, (N + 2K) H]
+    if "qkv_b" in lp:
+        qkv = qkv + lp["qkv_b"]
     q = qkv[..., : n * h].reshape(b, t, n, h)
     kk = qkv[..., n * h: (n + k) * h].reshape(b, t, k, h)
     v = qkv[..., (n + k) * h:].reshape(b, t, k, h)
+    if "q_norm" in lp:
+        q, kk = rms_norm(q, lp["q_norm"], spec.rms_norm_eps), rms_norm(kk, lp["k_norm"], spec.rms_norm_eps)
     out, aux = attend(apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v)
     x = x + jnp.dot(out.reshape(b, t, n * h), lp["o_w"])
     y = rms_norm(x, lp["ln2"], spec.rms_norm_eps)
@@ -119,7 +132,7 @@ def prefill_into(eparams, caches, ids, mask, row0, prompt_slots, *, spec: Decode
     """
     b, ps = ids.shape
     positions = jnp.clip(jnp.cumsum(mask, axis=1) - 1, 0)
-    cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta)
+    cos, sin = rope_cos_sin(positions, spec.inv_freq())
     idx = jnp.broadcast_to(jnp.arange(ps, dtype=jnp.int32), (b, ps))
     attn_mask = segment_mask(mask, mask, idx, idx)
     x = jnp.take(eparams["embed"], ids, axis=0)
@@ -213,7 +226,7 @@ def decode_segment(eparams, state, caches, prompt_start, prompt_slots, t_end, *,
         t = st["t"]
         tok_in = jax.lax.dynamic_index_in_dim(st["tokens"], t - 1, axis=1, keepdims=False)  # [R]
         positions = (st["prompt_lens"] + t - 1)[:, None]  # [R, 1]
-        cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta)
+        cos, sin = rope_cos_sin(positions, spec.inv_freq())
         slot = prompt_slots + t - 1
         valid = (slot_ids >= prompt_start[:, None]) & (slot_ids <= slot)  # the prompt, then slots P .. P + t - 1
         x = jnp.take(eparams["embed"], tok_in[:, None], axis=0)  # [R, 1, D]

@@ -142,7 +142,8 @@ class JaxEngine:
         return decode.DecodeSpec(
             num_layers=self.cfg.num_hidden_layers, num_heads=self.cfg.num_attention_heads,
             num_kv_heads=self.cfg.num_key_value_heads, head_dim=self.cfg.head_dim, rope_theta=self.cfg.rope_theta,
-            rms_norm_eps=self.cfg.rms_norm_eps, temperature=float(sampling.temperature),
+            rope_scaling=self.cfg.rope_scaling, rms_norm_eps=self.cfg.rms_norm_eps,
+            temperature=float(sampling.temperature),
             top_k=max(0, int(sampling.top_k)), top_p=float(sampling.top_p), stop_ids=tuple(sorted(set(stops))),
             pad_id=self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0,
             max_new_tokens=int(sampling.max_new_tokens))

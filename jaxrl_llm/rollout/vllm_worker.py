@@ -11,10 +11,11 @@ class (`worker_extension_cls`):
 * **Tied lm_head repack.** vLLM's CPU backend packs every linear weight for its GEMM kernel when a
   layer is loaded (`dispatch_cpu_unquantized_gemm`: a oneDNN handle or an SGL packed copy, held by
   the layer's `cpu_linear` closure). An in-place reload re-runs that packing only for layers whose
-  tensors were loaded. A tied lm_head loads nothing itself (Qwen2 skips `lm_head.weight` when tied):
-  its `weight` is the embedding's tensor and holds the new values, but `cpu_linear` still multiplies
-  by the old packed copy, so logits come from the old head. `repack_tied_lm_head` re-runs the head's
-  `process_weights_after_loading` after each reload (a no-op off CPU).
+  tensors were loaded. A tied lm_head loads nothing itself (a tied export of any family has no
+  `lm_head.weight`): its `weight` is the embedding's tensor and holds the new values, but
+  `cpu_linear` still multiplies by the old packed copy, so logits come from the old head.
+  `repack_tied_lm_head` re-runs the head's `process_weights_after_loading` after each reload (a
+  no-op off CPU).
 * **Temperature inside the logits.** vLLM returns either raw logprobs (log softmax(logits), T = 1)
   or processed ones (after temperature *and* top-k/top-p, renormalised over the kept tokens). The
   trainer needs log softmax(logits / T) over the full vocabulary. `set_logit_scale(1 / T)` folds the

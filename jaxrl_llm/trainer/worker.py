@@ -17,6 +17,7 @@ from jaxrl_llm import distributed, sharding
 from jaxrl_llm.algorithms import LossNorm, apply_kl_penalty, get_adv_estimator_fn
 from jaxrl_llm.models import Qwen2Config, graphdef_and_abstract_params, init_params, load_params, param_shardings
 from jaxrl_llm.models.config import PRESETS
+from jaxrl_llm.models.hf_io import is_critic_checkpoint
 from jaxrl_llm.rollout import JaxEngine, RolloutBatch, SamplingParams
 from jaxrl_llm.trainer import steps
 from jaxrl_llm.trainer.batch import (
@@ -149,9 +150,7 @@ class TrainerWorker:
         if m.preset is not None:
             return init_params(self.cfg, mesh=self.mesh, seed=m.seed + 1, critic=True)
         path = resolve_model_path(m.critic_path or m.path)
-        with open(os.path.join(path, "config.json")) as f:
-            is_critic = "Qwen2ForTokenClassification" in f.read()
-        if is_critic:
+        if is_critic_checkpoint(path):  # the family's *ForTokenClassification
             return load_params(path, self.cfg, mesh=self.mesh, critic=True)
         # veRL initialises the critic from the actor checkpoint with a fresh value head.
         lm = load_params(path, self.cfg, mesh=self.mesh)

@@ -10,7 +10,7 @@ from jaxrl_llm import sharding
 from jaxrl_llm.models import load_hf, split_model
 from jaxrl_llm.rollout import JaxEngine, RolloutError, SamplingParams
 from jaxrl_llm.rollout.sampling import truncated_probs
-from tests.hf_models import make_hf_model
+from tests.hf_models import LLAMA3_ROPE, make_hf_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42]]
 
@@ -106,6 +106,45 @@ def test_first_token_distribution_matches_truncated_softmax(hf_and_model, engine
     assert np.all(np.abs(counts - expected) <= 5 * sigma + 1e-3)
     if top_k:
         assert (expected > 0).sum() <= top_k
+
+
+# The other families through the same fused engine layout: Qwen3's q/k norms (no biases, head_dim 24
+# unlike hidden / heads, tied head) and Llama 3's scaled RoPE, whose 32-token original context the
+# longest prompt plus its response passes.
+FAMILIES = {
+    "qwen3_tied_head_dim24": dict(family="qwen3", head_dim=24, tie_word_embeddings=True),
+    "llama3_rope": dict(family="llama", rope_scaling=LLAMA3_ROPE),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_other_families_greedy_matches_transformers_and_logprobs_the_forward(tmp_path, name):
+    hf = make_hf_model(tmp_path, vocab_size=96, initializer_range=0.3, eos_token_id=7, **FAMILIES[name])
+    model = load_hf(tmp_path)
+    engine = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", prompt_bucket=8, gen_bucket=16)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=30))
+    for i, prompt in enumerate(PROMPTS):
+        ref = _hf_greedy(hf, prompt, 30)
+        assert out.response_ids(i) == ref, f"prompt {i}"
+        assert len(set(ref)) > 3
+    assert max(len(p) + int(n) for p, n in zip(PROMPTS, out.lengths)) > LLAMA3_ROPE["original_max_position_embeddings"]
+    # The family's extra weights (q/k norms) shard like the rest on a fsdp x tensor mesh.
+    sharded = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", mesh=sharding.make_mesh(1, 4, 2),
+                        prompt_bucket=8, gen_bucket=16)
+    np.testing.assert_array_equal(sharded.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=30)).tokens,
+                                  out.tokens)
+
+    temp = 0.7  # the wide init's logits leave fp32 rounding of ~1e-5 (see the logprob test above)
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=temp, top_k=20, max_new_tokens=30, seed=3))
+    seqs = [PROMPTS[out.prompt_index[r]] + out.response_ids(r) for r in range(len(out))]
+    ids = np.zeros((len(seqs), max(map(len, seqs))), np.int32)  # [R, L], right padding: causal, harmless
+    for r, seq in enumerate(seqs):
+        ids[r, : len(seq)] = seq
+    logp = np.asarray(jax.jit(lambda i: jax.nn.log_softmax(model(i) / temp, axis=-1))(ids))  # [R, L, V]
+    for r in range(len(out)):
+        prompt, resp = PROMPTS[out.prompt_index[r]], out.response_ids(r)
+        pos = np.arange(len(prompt) - 1, len(prompt) + len(resp) - 1)
+        np.testing.assert_allclose(out.logprobs[r, : len(resp)], logp[r, pos, np.asarray(resp)], atol=5e-5, rtol=0)
 
 
 def test_segments_and_chunks_do_not_change_greedy_output(hf_and_model):

