@@ -70,6 +70,11 @@ def launch(train_args: list[str], num_processes: int, *, gpus_per_process: int |
            finish_timeout_s: float = 600.0, module: str = "jaxrl_llm.train") -> int:
     """Runs the processes to the end; returns 0, or the exit code of the first one that failed."""
     port = port or _free_port()
+
+    def on_term(signum, frame):  # stopping the launcher stops its processes too
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     procs = [subprocess.Popen([sys.executable, "-m", module, *train_args],
                               env=child_env(i, num_processes, port, gpus_per_process=gpus_per_process,
                                             devices_per_process=devices_per_process))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 4xH200: the seed-shaped 7B GRPO step in one process (4 GPUs), then in 4 processes (one per GPU,
+# The seed-shaped 7B GRPO step in one process (all GPUs), then in NPROC processes (one per GPU,
 # through the launcher), with the same config and a shared persistent compilation cache.
 # Run from the repo root on the GPU machine with .whl and .bench_data carried; results land in $OUT.
 set -uo pipefail
@@ -10,4 +10,4 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 STEPS=${STEPS:-4}
 ARGS="--sections e2e --train_presets ${PRESET:-qwen2p5_7b} --steps $STEPS --remat auto --token_budget ${BUDGET:-16384} --compile_cache /tmp/xla_cache"
 timeout "${T_SINGLE:-280}" python3 scripts/bench.py $ARGS --out "$OUT/single" 2>&1 | grep -v "^I1\|^W1" | tee "$OUT/single.log" | grep -E '"e2e"|Error|error' | cut -c1-600
-timeout "${T_MULTI:-280}" python3 -m jaxrl_llm.launch --num_processes 4 --gpus_per_process 1 --module scripts.bench -- $ARGS --out "$OUT/multi" 2>&1 | grep -v "^I1\|^W1" | tee "$OUT/multi.log" | grep -E '"e2e"|Error|error' | cut -c1-600
+timeout "${T_MULTI:-280}" python3 -m jaxrl_llm.launch --num_processes ${NPROC:-4} --gpus_per_process 1 --module scripts.bench -- $ARGS --out "$OUT/multi" 2>&1 | grep -v "^I1\|^W1" | tee "$OUT/multi.log" | grep -E '"e2e"|Error|error' | cut -c1-600
