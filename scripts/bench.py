@@ -351,7 +351,10 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
                        remat=remat, small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
                        run_dir=tempfile.mkdtemp(), fsdp=fsdp, tensor=tensor,
                        max_batch=4096 * n_dev)
+        t_init = time.perf_counter()
         trainer = RLTrainer(run)
+        if jax.process_index() == 0:
+            print(f"  RLTrainer built in {time.perf_counter() - t_init:.1f}s", flush=True)
         engine = trainer.worker.obj.engine
         generate = engine.generate
         draws = iter(range(1000))
@@ -361,6 +364,16 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
             return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens)
 
         engine.generate = capped
+        role_call = trainer.worker.call
+
+        def traced_call(method, *a, role_call=role_call, **kw):  # progress on stdout: where a slow step is
+            t = time.perf_counter()
+            out = role_call(method, *a, **kw)
+            if jax.process_index() == 0 and method not in ("forward_passes_ready",):
+                print(f"  [{time.strftime('%H:%M:%S')}] {method} {time.perf_counter() - t:.1f}s", flush=True)
+            return out
+
+        trainer.worker.call = traced_call
         compile_s = [0.0]
 
         def on_duration(event, duration, compile_s=compile_s, **_):
