@@ -215,13 +215,23 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def to_host_shards(x: jax.Array) -> tuple:
-    """This process's shards of `x` as host numpy arrays, to rebuild it later with `from_host_shards`
-    (host offload that works when `x` spans several processes)."""
-    return (x.shape, x.sharding, [(s.device, np.asarray(s.data)) for s in x.addressable_shards])
+class HostShards:
+    """This process's shards of one global array, held as host numpy arrays (host offload that works
+    when the array spans several processes). Deliberately not a pytree: `jax.tree` functions see one
+    leaf, so a tree of them maps back to device arrays with one `jax.tree.map(from_host_shards, ...)`."""
+
+    def __init__(self, x: jax.Array):
+        self.shape = x.shape
+        self.sharding = x.sharding
+        self.shards = [(s.device, np.asarray(s.data)) for s in x.addressable_shards]  # [(device, np.ndarray)]
 
 
-def from_host_shards(saved: tuple) -> jax.Array:
-    shape, sharding, shards = saved
-    arrays = [jax.device_put(data, device) for device, data in shards]
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+def to_host_shards(x: jax.Array) -> HostShards:
+    """`x` moved to host memory, to rebuild later with `from_host_shards`."""
+    return HostShards(x)
+
+
+def from_host_shards(saved: HostShards) -> jax.Array:
+    """The global device array that `to_host_shards` saved, with its original sharding."""
+    arrays = [jax.device_put(data, device) for device, data in saved.shards]
+    return jax.make_array_from_single_device_arrays(saved.shape, saved.sharding, arrays)

@@ -176,7 +176,7 @@ class TrainerWorker:
     def _ref_on_device(self):
         if not self.run.trainer.ref_offload:
             return self.ref_params
-        return jax.tree.map(distributed.from_host_shards, self.ref_params, is_leaf=lambda x: isinstance(x, tuple))
+        return jax.tree.map(distributed.from_host_shards, self.ref_params)
 
     def _build_steps(self):
         run = self.run

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl_llm import distributed
 from jaxrl_llm.checkpoint import CheckpointSaveError, RunCheckpointer
 from jaxrl_llm.trainer.loop import RLTrainer
 from tests.trainer import runs
@@ -134,7 +135,10 @@ def test_reference_offloaded_to_host_gives_the_same_kl_loss(tmp_path):
     kl = ("actor.use_kl_loss=True", "actor.kl_loss_coef=0.01")
     a = _trainer(tmp_path / "a", *kl)
     b = _trainer(tmp_path / "b", *kl, "train.ref_offload=True")
-    assert isinstance(jax.tree.leaves(b.worker.obj.ref_params)[0], np.ndarray)  # the frozen copy lives on the host
+    # The frozen copy lives on the host: every leaf is this process's shards as numpy arrays.
+    leaves = jax.tree.leaves(b.worker.obj.ref_params)
+    assert leaves and all(isinstance(x, distributed.HostShards) for x in leaves)
+    assert all(isinstance(data, np.ndarray) for x in leaves for _, data in x.shards)
     ma, mb = a.train_step(next(a.iterator), 0), b.train_step(next(b.iterator), 0)
     for key in ("actor/kl_loss", "actor/pg_loss", "actor/grad_norm"):
         assert ma[key] == mb[key], key
