@@ -8,8 +8,18 @@ if "XLA_FLAGS" not in os.environ or "device_count" not in os.environ["XLA_FLAGS"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pathlib  # noqa: E402
+import tempfile  # noqa: E402
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# One persistent compilation cache for the whole session: every trainer a test builds jits its own
+# functions, and most of them lower to programs an earlier test compiled already (the sampler's above
+# all); loading those from disk takes a fraction of compiling them. A fresh directory per session, so
+# nothing carries over between jax versions or checkouts.
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jaxrl_test_xla_cache_"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = pathlib.Path(os.environ.get("JAXRL_SHARED_DATA", REPO.parent / "shared" / "data"))

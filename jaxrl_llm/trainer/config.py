@@ -14,6 +14,8 @@ import typing
 
 import gin
 
+from jaxrl_llm.algorithms.rollout_correction import RolloutCorrectionConfig
+
 
 class ConfigValueError(ValueError):
     """A config value that cannot work; the message names the gin binding to change."""
@@ -90,18 +92,29 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_batch_size: int = 1024  # response rows decoded together (JAX engine)
-    val_temperature: float = 0.0  # validation is greedy (mean@1)
+    # JAX engine's decode attention: "xla" (every cache slot) or "pallas" (a kernel that reads only each
+    # row's valid slots; kernels/decode_attention.py)
+    decode_attention: str = "xla"
+    val_temperature: float = 0.0  # validation is greedy (mean@1) unless val_n > 1
+    val_n: int = 1  # responses a validation prompt (veRL's val_kwargs.n): mean@N, best@N, pass@k
+    val_top_p: float = 1.0
+    val_top_k: int = -1
     vllm_workers: int = 1
     # Token budget of one micro-batch a device in the old/reference log-prob (and value) passes; None:
     # twice actor.ppo_max_token_len_per_gpu (a forward pass keeps no activations for a backward one).
     log_prob_max_token_len_per_gpu: int | None = None
-    log_prob_gap: bool = True  # the trainer-sampler logprob gap metric
 
     def validate(self):
         _check(self.engine in ("jax", "vllm"), "rollout.engine", f"{self.engine!r}; use 'jax' or 'vllm'")
+        _check(self.decode_attention in ("xla", "pallas"), "rollout.decode_attention",
+               f"{self.decode_attention!r}; use 'xla' or 'pallas'")
         _check(isinstance(self.n, int) and self.n >= 1, "rollout.n", f"n={self.n}; need n >= 1")
         _check(0.0 < self.top_p <= 1.0, "rollout.top_p", f"{self.top_p} is not in (0, 1]")
         _check(self.temperature > 0.0, "rollout.temperature", "training rollouts need temperature > 0")
+        _check(isinstance(self.val_n, int) and self.val_n >= 1, "rollout.val_n", f"val_n={self.val_n}; need >= 1")
+        _check(self.val_n == 1 or self.val_temperature > 0.0, "rollout.val_temperature",
+               f"rollout.val_n={self.val_n} samples the same greedy response {self.val_n} times; set "
+               "rollout.val_temperature > 0 (e.g. 1.0) or val_n = 1")
 
 
 @gin.configurable("actor")
@@ -134,6 +147,11 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     logprob_chunk_size: int = 8192  # vocab chunk of the fused logprob/entropy
+    # SAPO's gate temperatures for positive / negative advantages (veRL's actor.tau_pos / tau_neg).
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    # The constant of "seq-mean-token-sum-norm" (veRL's actor.loss_scale_factor); None: the max response length.
+    loss_scale_factor: int | None = None
 
     def validate(self):
         _check(self.lr >= 0, "actor.lr", "must be >= 0")
@@ -143,9 +161,12 @@ class ActorConfig:
                "actor.ppo_mini_batch_size / ppo_epochs", "must be >= 1")
         _check(self.clip_ratio_c > 1.0, "actor.clip_ratio_c", "dual-clip bound must be > 1")
         _check(self.tail_shapes >= 1, "actor.tail_shapes", f"{self.tail_shapes}; need >= 1")
-        _check(self.loss_agg_mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                      "seq-mean-token-sum-norm"), "actor.loss_agg_mode",
-               f"{self.loss_agg_mode!r} is not a veRL mode")
+        from jaxrl_llm.algorithms import LOSS_AGG_MODES
+
+        _check(self.loss_agg_mode in LOSS_AGG_MODES, "actor.loss_agg_mode",
+               f"{self.loss_agg_mode!r} is not a veRL mode; use one of {LOSS_AGG_MODES}")
+        _check(self.loss_scale_factor is None or self.loss_scale_factor >= 1, "actor.loss_scale_factor",
+               f"{self.loss_scale_factor}; need >= 1 (or None: the max response length)")
 
     @property
     def low(self) -> float:
@@ -154,6 +175,38 @@ class ActorConfig:
     @property
     def high(self) -> float:
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+@gin.configurable("policy_loss", module="actor")
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSettings:
+    """veRL's `actor.policy_loss.*`: which policy loss the actor minimises, and its own knobs.
+
+    The PPO clip range, dual-clip bound and aggregation stay on `actor.*` (`clip_ratio*`,
+    `loss_agg_mode`), as in veRL; the losses that reuse them (dppo_*: divergence thresholds and the TIS
+    cap) say so in `jaxrl_llm.algorithms.policy_loss`.
+    """
+
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002  # clip_cov: share of tokens whose gradient is dropped
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: share of tokens that get the |log-ratio| penalty
+    ppo_kl_coef: float = 0.1
+    dro_beta: float | None = None  # dro: the quadratic log-ratio penalty (required for 'dro')
+
+    def validate(self):
+        from jaxrl_llm.algorithms import POLICY_LOSS_REGISTRY
+
+        _check(self.loss_mode in POLICY_LOSS_REGISTRY, "actor.policy_loss.loss_mode",
+               f"{self.loss_mode!r}; known: {sorted(POLICY_LOSS_REGISTRY)}")
+        _check(self.clip_cov_ratio > 0 and self.kl_cov_ratio > 0, "actor.policy_loss.clip_cov_ratio / kl_cov_ratio",
+               "must be > 0")
+        _check(self.clip_cov_lb < self.clip_cov_ub, "actor.policy_loss.clip_cov_lb / clip_cov_ub",
+               f"need lb < ub, got {self.clip_cov_lb} and {self.clip_cov_ub}")
+        if self.loss_mode == "dro":
+            _check(self.dro_beta is not None and self.dro_beta > 0, "actor.policy_loss.dro_beta",
+                   f"{self.dro_beta}; loss_mode 'dro' needs a positive dro_beta")
 
 
 @gin.configurable("critic")
@@ -186,15 +239,69 @@ class AlgoConfig:
     kl_coef: float = 0.001
     kl_target: float = 0.1
     kl_horizon: int = 10000
+    # GDPO: the reward-function dict keys normalised one by one, and their weights (None: equal).
+    gdpo_reward_keys: tuple[str, ...] | None = None
+    gdpo_reward_weights: tuple[float, ...] | None = None
 
     @property
     def uses_critic(self) -> bool:
         return self.adv_estimator == "gae"
 
     def validate(self):
-        known = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+        from jaxrl_llm.algorithms import ADV_ESTIMATOR_REGISTRY
+
+        known = sorted(ADV_ESTIMATOR_REGISTRY)
         _check(self.adv_estimator in known, "algorithm.adv_estimator", f"{self.adv_estimator!r}; known: {known}")
         _check(self.kl_ctrl_type in ("fixed", "adaptive"), "algorithm.kl_ctrl_type", "use 'fixed' or 'adaptive'")
+        if self.adv_estimator == "gdpo":
+            _check(bool(self.gdpo_reward_keys), "algorithm.gdpo_reward_keys", "gdpo needs the reward keys to "
+                   "normalise one by one (the keys of the dict your reward function returns)")
+        if self.gdpo_reward_weights is not None:
+            _check(self.gdpo_reward_keys is not None and len(self.gdpo_reward_weights) == len(self.gdpo_reward_keys),
+                   "algorithm.gdpo_reward_weights", "give one weight per entry of algorithm.gdpo_reward_keys")
+
+
+# veRL's `algorithm.rollout_correction.*` (the trainer–sampler gap: TIS / MIS weights, bypass mode): the
+# algorithms' own config, bound in gin under veRL's name. Off by default, as in veRL's YAML.
+RolloutCorrectionSettings = gin.external_configurable(RolloutCorrectionConfig, "rollout_correction",
+                                                      module="algorithm")
+
+
+def rollout_correction_enabled(rc: RolloutCorrectionConfig) -> bool:
+    return rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None
+
+
+@gin.configurable("filter_groups", module="algorithm")
+@dataclasses.dataclass(frozen=True)
+class FilterGroupsSettings:
+    """veRL's `algorithm.filter_groups.*` (DAPO dynamic sampling): drop the groups whose `metric` is the
+    same for every response, and draw more prompts until the batch is full.
+
+    metric: "reward" (the score, before any KL penalty) or a key of the dicts the reward function
+      returns ("acc", ...).
+    max_num_gen_batches: prompt batches drawn at most per step (<= 0: no limit).
+    """
+
+    enable: bool = False
+    metric: str = "reward"
+    max_num_gen_batches: int = 0
+
+
+@gin.configurable("overlong_buffer_cfg", module="reward.reward_kwargs")
+@dataclasses.dataclass(frozen=True)
+class OverlongBufferSettings:
+    """veRL's `reward.reward_kwargs.overlong_buffer_cfg.*` (DAPO): a response longer than
+    max_response_length - len loses up to `penalty_factor` of reward, linearly over the last `len` tokens."""
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+    log: bool = False
+
+    def validate(self, max_response_length: int):
+        if self.enable:
+            _check(0 < self.len <= max_response_length, "reward.reward_kwargs.overlong_buffer_cfg.len",
+                   f"{self.len}; need 0 < len <= data.max_response_length ({max_response_length})")
 
 
 @gin.configurable("reward")
@@ -204,8 +311,14 @@ class RewardConfig:
 
     custom_reward_path: str | None = None
     custom_reward_name: str = "compute_score"
-    num_workers: int = 0  # >0: a pool of Ray CPU workers
+    num_workers: int = 0  # >0: score each step's responses in this many parallel workers
+    backend: str = "auto"  # the workers: "ray", "process" (no Ray needed), "auto" (Ray when installed)
     strict: bool = False  # a raising reward function stops the run
+
+    def validate(self):
+        _check(self.num_workers >= 0, "reward.num_workers", f"{self.num_workers}; use 0 (in-process) or more")
+        _check(self.backend in ("auto", "ray", "process"), "reward.backend",
+               f"{self.backend!r}; use 'auto', 'ray' or 'process'")
 
 
 @gin.configurable("train")
@@ -266,10 +379,16 @@ class RunConfig:
     algo: AlgoConfig
     reward: RewardConfig
     trainer: TrainerConfig
+    policy_loss: PolicyLossSettings = PolicyLossSettings()
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    filter_groups: FilterGroupsSettings = FilterGroupsSettings()
+    overlong_buffer: OverlongBufferSettings = OverlongBufferSettings()
 
     def validate(self) -> RunConfig:
-        for part in (self.model, self.data, self.rollout, self.actor, self.algo, self.trainer):
+        for part in (self.model, self.data, self.rollout, self.actor, self.algo, self.reward, self.trainer,
+                     self.policy_loss, self.rollout_correction):
             part.validate()
+        self.overlong_buffer.validate(self.data.max_response_length)
         _check(self.actor.ppo_mini_batch_size <= self.data.train_batch_size, "actor.ppo_mini_batch_size",
                f"{self.actor.ppo_mini_batch_size} is larger than data.train_batch_size "
                f"{self.data.train_batch_size}")
@@ -279,9 +398,14 @@ class RunConfig:
         if self.data.source == "files" and self.model.preset is not None:
             _check(self.model.tokenizer_path is not None, "model.tokenizer_path", "a random-init model.preset "
                    "needs a tokenizer for data.source = 'files'; set it to a HF tokenizer dir")
-        if self.algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        if self.algo.adv_estimator in ("grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "opo", "grpo_passk",
+                                       "reinforce_plus_plus_baseline", "gdpo", "gpg", "optimal_token_baseline",
+                                       "tir_optimal_token_baseline"):
             _check(self.rollout.n >= 2, "rollout.n", f"{self.algo.adv_estimator} compares responses of a "
                    "prompt; use n >= 2")
+        if self.filter_groups.enable:
+            _check(self.rollout.n >= 2, "algorithm.filter_groups.enable", "dynamic sampling drops groups whose "
+                   "responses all score the same; it needs rollout.n >= 2")
         return self
 
     @property
@@ -319,8 +443,12 @@ def _check_types(part, name: str) -> None:
 def build_run_config() -> RunConfig:
     """Builds every part from its gin bindings (`actor.lr = 1e-6`, ...) and validates the whole."""
     parts = dict(model=ModelConfig(), data=DataConfig(), rollout=RolloutConfig(), actor=ActorConfig(),
-                 critic=CriticConfig(), algo=AlgoConfig(), reward=RewardConfig(), trainer=TrainerConfig())
-    gin_names = dict(algo="algorithm", trainer="train")
+                 critic=CriticConfig(), algo=AlgoConfig(), reward=RewardConfig(), trainer=TrainerConfig(),
+                 policy_loss=PolicyLossSettings(), rollout_correction=RolloutCorrectionSettings(),
+                 filter_groups=FilterGroupsSettings(), overlong_buffer=OverlongBufferSettings())
+    gin_names = dict(algo="algorithm", trainer="train", policy_loss="actor.policy_loss",
+                     rollout_correction="algorithm.rollout_correction", filter_groups="algorithm.filter_groups",
+                     overlong_buffer="reward.reward_kwargs.overlong_buffer_cfg")
     for key, part in parts.items():
         _check_types(part, gin_names.get(key, key))
     return RunConfig(**parts).validate()

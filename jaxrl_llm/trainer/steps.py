@@ -19,11 +19,12 @@ from flax import nnx
 
 from jaxrl_llm.algorithms import (
     LossNorm,
+    PolicyLossConfig,
     agg_loss,
     compute_kl_loss,
-    compute_policy_loss_vanilla,
     compute_token_logprobs,
     compute_value_loss,
+    get_policy_loss_fn,
     token_metric_mean,
 )
 
@@ -33,10 +34,7 @@ class ActorLossSettings:
     """Static hyperparameters of the actor loss (part of the compiled program)."""
 
     temperature: float = 1.0
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
+    policy: PolicyLossConfig = PolicyLossConfig()  # the policy loss (`actor.policy_loss.loss_mode`) and its knobs
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -69,16 +67,22 @@ def values(critic, mb) -> jax.Array:
     return gather_response(v, mb["resp_pos"])
 
 
-def make_logprob_fn(graphdef, *, temperature: float, chunk_size: int, with_entropy: bool = False):
-    """(params, mb) -> {"log_prob": [S, Tr], "entropy": [S, Tr]?} for old/ref log-probs."""
+def make_logprob_fn(graphdef, *, temperature: float, chunk_size: int, with_entropy: bool = False,
+                    with_sum_pi_squared: bool = False):
+    """(params, mb) -> {"log_prob": [S, Tr], "entropy": [S, Tr]?, "sum_pi_squared": [S, Tr]?} for the
+    old/ref log-prob passes (Σ_v π(v)², forward only, for the optimal-token-baseline estimators)."""
 
     def fn(params, mb):
         model = nnx.merge(graphdef, params)
-        logp, ent = token_logprobs(model, mb, temperature=temperature, chunk_size=chunk_size,
-                                   with_entropy=with_entropy)
-        out = {"log_prob": logp}
+        hidden = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"])  # [rows, L, D]
+        outs = compute_token_logprobs(hidden, model.lm_head_weight(), mb["targets"], temperature=temperature,
+                                      chunk_size=chunk_size, with_entropy=with_entropy,
+                                      with_sum_pi_squared=with_sum_pi_squared)  # each [rows, L]
+        out = {"log_prob": gather_response(outs[0], mb["resp_pos"])}
         if with_entropy:
-            out["entropy"] = ent
+            out["entropy"] = gather_response(outs[1], mb["resp_pos"])
+        if with_sum_pi_squared:
+            out["sum_pi_squared"] = gather_response(outs[-1], mb["resp_pos"])
         return out
 
     return jax.jit(fn)
@@ -89,21 +93,33 @@ def make_value_fn(graphdef):
     return jax.jit(lambda params, mb: {"values": values(nnx.merge(graphdef, params), mb)})
 
 
+def _actor_key(key: str) -> str:
+    """veRL's name of a policy-loss metric: `actor/<key>`, but rollout correction's own `rollout_corr/...`
+    keys keep their prefix."""
+    return key if "/" in key else f"actor/{key}"
+
+
 def actor_loss(params, graphdef, mb, norm: LossNorm, s: ActorLossSettings):
-    """The actor loss of one micro-batch (already divided by the mini-batch's denominators)."""
+    """The actor loss of one micro-batch (already divided by the mini-batch's denominators).
+
+    Optional fields of `mb`: `loss_mask` (the response mask less the tokens that rollout correction
+    rejected), `rollout_is_weights` (its importance weights), `token_select` (the mini-batch's token
+    selection of the clip_cov / kl_cov losses).
+    """
     model = nnx.merge(graphdef, params)
     logp, ent = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size, with_entropy=True)
-    mask = mb["response_mask"]
+    mask = mb.get("loss_mask", mb["response_mask"])
     old = jax.lax.stop_gradient(logp) if s.on_policy else mb["old_log_prob"]
-    pg_loss, pg_metrics = compute_policy_loss_vanilla(
-        old, logp, mb["advantages"], mask, clip_ratio_low=s.clip_ratio_low,
-        clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c, loss_agg_mode=s.loss_agg_mode, norm=norm)
-    entropy = agg_loss(ent, mask, s.loss_agg_mode, norm=norm)
+    agg_mode = s.policy.loss_agg_mode
+    pg_loss, pg_metrics = get_policy_loss_fn(s.policy.loss_mode)(
+        old, logp, mb["advantages"], mask, config=s.policy, norm=norm,
+        rollout_is_weights=mb.get("rollout_is_weights"), token_select=mb.get("token_select"))
+    entropy = agg_loss(ent, mask, agg_mode, norm=norm)
     loss = pg_loss - s.entropy_coeff * entropy
     metrics = {"actor/pg_loss": pg_loss, "actor/entropy": jax.lax.stop_gradient(entropy),
-               **{f"actor/{k}": v for k, v in pg_metrics.items()}}
+               **{_actor_key(k): v for k, v in pg_metrics.items()}}
     if s.use_kl_loss:
-        kl = compute_kl_loss(logp, mb["ref_log_prob"], mask, s.kl_loss_type, s.loss_agg_mode, norm=norm)
+        kl = compute_kl_loss(logp, mb["ref_log_prob"], mask, s.kl_loss_type, agg_mode, norm=norm)
         loss = loss + s.kl_loss_coef * kl
         metrics["actor/kl_loss"] = kl
     if "rollout_log_probs" in mb:
@@ -125,11 +141,23 @@ def critic_loss(params, graphdef, mb, norm: LossNorm, *, cliprange_value: float,
     return vf_loss, metrics
 
 
-_MAX_METRICS = ("actor/logprob_gap_max",)
+def metric_combiner(key: str):
+    """How a metric combines over micro-batches and mini-batches: keys ending in `_max` (or rollout
+    correction's `_max_deviation`) take the max, `_min` the min; every other metric is additive over
+    micro-batches (divided by the mini-batch's denominators) and averaged over mini-batches."""
+    if key.endswith(("_max", "_max_deviation")):
+        return jnp.maximum
+    if key.endswith("_min"):
+        return jnp.minimum
+    return None
 
 
 def _accumulate(acc, new):
-    return {k: (jnp.maximum(acc[k], v) if k in _MAX_METRICS else acc[k] + v) for k, v in new.items()}
+    out = {}
+    for k, v in new.items():
+        combine = metric_combiner(k)
+        out[k] = acc[k] + v if combine is None else combine(acc[k], v)
+    return out
 
 
 def make_grad_step(loss_fn, graphdef, param_shardings, **loss_kwargs):
@@ -156,7 +184,9 @@ def make_metrics_init(loss_fn, graphdef, **loss_kwargs):
         if key not in cache:
             _, metrics = jax.eval_shape(lambda p: loss_fn(p, graphdef, mb, norm, **loss_kwargs), params)
             cache[key] = {k: (v.shape, v.dtype) for k, v in metrics.items()}
-        return {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in cache[key].items()}
+        # max-like metrics start at -inf, min-like at +inf, additive ones at 0
+        start = lambda k: {jnp.maximum: -jnp.inf, jnp.minimum: jnp.inf}.get(metric_combiner(k), 0.0)
+        return {k: jnp.full(shape, start(k), dtype) for k, (shape, dtype) in cache[key].items()}
 
     return init
 

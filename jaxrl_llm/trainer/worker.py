@@ -6,6 +6,7 @@ The driver (`trainer.loop`) calls these methods with host `TrainBatch`es, either
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -14,7 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import distributed, sharding
-from jaxrl_llm.algorithms import LossNorm, apply_kl_penalty, get_adv_estimator_fn
+from jaxrl_llm.algorithms import (
+    AdvantageConfig,
+    LossNorm,
+    PolicyLossConfig,
+    RolloutCorrectionConfig,
+    apply_kl_penalty,
+    compute_rollout_correction_and_rejection_mask,
+    get_adv_estimator,
+    select_cov_tokens,
+)
 from jaxrl_llm.models import Qwen2Config, graphdef_and_abstract_params, init_params, load_params, param_shardings
 from jaxrl_llm.models.config import PRESETS
 from jaxrl_llm.models.hf_io import is_critic_checkpoint
@@ -28,7 +38,7 @@ from jaxrl_llm.trainer.batch import (
     split_mini_batches,
     tail_shape,
 )
-from jaxrl_llm.trainer.config import RunConfig
+from jaxrl_llm.trainer.config import RunConfig, rollout_correction_enabled
 from jaxrl_llm.trainer.optim import make_optimizer
 
 log = logging.getLogger(__name__)
@@ -81,6 +91,23 @@ def opt_state_shardings(tx, params, param_sh, mesh):
     return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, params))
 
 
+def policy_loss_config(run: RunConfig, rc: RolloutCorrectionConfig | None) -> PolicyLossConfig:
+    """The actor's policy loss from `actor.*` and `actor.policy_loss.*`; bypass mode swaps in veRL's
+    `bypass_mode` loss, which reads the rollout-correction settings."""
+    a, p = run.actor, run.policy_loss
+    return PolicyLossConfig(
+        loss_mode="bypass_mode" if rc is not None and rc.bypass_mode else p.loss_mode,
+        clip_ratio_low=a.low, clip_ratio_high=a.high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
+        clip_cov_ratio=p.clip_cov_ratio, clip_cov_lb=p.clip_cov_lb, clip_cov_ub=p.clip_cov_ub,
+        kl_cov_ratio=p.kl_cov_ratio, ppo_kl_coef=p.ppo_kl_coef, dro_beta=p.dro_beta, tau_pos=a.tau_pos,
+        tau_neg=a.tau_neg, rollout_correction=rc)
+
+
+def rollout_correction_config(run: RunConfig) -> RolloutCorrectionConfig | None:
+    """`algorithm.rollout_correction.*`, or None when it is off."""
+    return run.rollout_correction if rollout_correction_enabled(run.rollout_correction) else None
+
+
 class TrainerWorker:
     """Owns the device state of a run. `total_steps` sizes the LR schedule."""
 
@@ -121,11 +148,13 @@ class TrainerWorker:
             self.critic_state_sh = jax.tree.map(lambda x: x.sharding, self.critic_state)
 
         self._build_steps()
+        self._cast_for_pool = None
         self.engine = None
         if run.rollout.engine == "jax":
             self.engine = JaxEngine(self.cfg, self.actor_state["params"], mesh=self.mesh, dtype=self.cfg.dtype,
                                     max_prompt_length=run.data.max_prompt_length,
-                                    max_batch_size=run.rollout.max_batch_size)
+                                    max_batch_size=run.rollout.max_batch_size,
+                                    decode_attention=run.rollout.decode_attention)
 
     # ---- construction ----------------------------------------------------------------------------
     def _auto_remat(self) -> str:
@@ -186,18 +215,29 @@ class TrainerWorker:
         # Forward-only passes keep no activations for a backward pass: larger micro-batches, fewer of them.
         self.fwd_pack = self._pack_shape(run.rollout.log_prob_max_token_len_per_gpu
                                          or 2 * run.actor.ppo_max_token_len_per_gpu)
-        self.logprob_fn = steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk, with_entropy=True)
+        self.estimator = get_adv_estimator(run.algo.adv_estimator)
+        self.rc = rollout_correction_config(run)
+        self.bypass = self.rc is not None and self.rc.bypass_mode
+        # The optimal-token-baseline estimators need Σ_v π(v)² of the old policy from its log-prob pass.
+        self.with_sum_pi_squared = "sum_pi_squared" in self.estimator.inputs
+        self.logprob_fn = steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk, with_entropy=True,
+                                                with_sum_pi_squared=self.with_sum_pi_squared)
         self.ref_logprob_fn = steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk)
         # A step that is one mini-batch and one epoch is exactly on-policy (veRL's shortcut): the ratio is
-        # 1 by construction and the old-log-prob pass is skipped, unless the KL in the reward needs it.
+        # 1 by construction and the old-log-prob pass is skipped, unless something else reads the old
+        # log-probs (the KL in the reward, decoupled rollout correction, the optimal token baseline).
+        # Bypass mode uses the sampler's log-probs as the old ones and never runs the pass.
         self.on_policy = (run.actor.ppo_epochs == 1 and run.actor.ppo_mini_batch_size == run.data.train_batch_size
-                          and not run.algo.use_kl_in_reward)
+                          and not run.algo.use_kl_in_reward and self.rc is None
+                          and not {"old_log_probs", "sum_pi_squared"} & set(self.estimator.inputs))
+        self.policy_loss = policy_loss_config(run, self.rc)
         self.loss_settings = steps.ActorLossSettings(
-            temperature=temp, clip_ratio_low=run.actor.low, clip_ratio_high=run.actor.high,
-            clip_ratio_c=run.actor.clip_ratio_c, loss_agg_mode=run.actor.loss_agg_mode,
-            entropy_coeff=run.actor.entropy_coeff, use_kl_loss=run.actor.use_kl_loss,
-            kl_loss_coef=run.actor.kl_loss_coef, kl_loss_type=run.actor.kl_loss_type, chunk_size=chunk,
-            on_policy=self.on_policy)
+            temperature=temp, policy=self.policy_loss, entropy_coeff=run.actor.entropy_coeff,
+            use_kl_loss=run.actor.use_kl_loss, kl_loss_coef=run.actor.kl_loss_coef,
+            kl_loss_type=run.actor.kl_loss_type, chunk_size=chunk, on_policy=self.on_policy)
+        # clip_cov / kl_cov choose their tokens over the whole mini-batch, from the current policy.
+        self.cov_select = (jax.jit(functools.partial(select_cov_tokens, config=self.policy_loss))
+                           if self.policy_loss.loss_mode in ("clip_cov", "kl_cov") else None)
         self.actor_grad = steps.make_grad_step(steps.actor_loss, self.actor_gd, self.actor_sh, s=self.loss_settings)
         self.actor_metrics0 = steps.make_metrics_init(steps.actor_loss, self.actor_gd, s=self.loss_settings)
         self.actor_apply = steps.make_apply_step(self.tx, self.actor_state_sh)
@@ -246,8 +286,10 @@ class TrainerWorker:
         """
         passes = []
         if old:
-            passes.append((self.logprob_fn, self.actor_state["params"], {"log_prob": "old_log_prob",
-                                                                         "entropy": "entropy"}))
+            names = {"log_prob": "old_log_prob", "entropy": "entropy"}
+            if self.with_sum_pi_squared:
+                names["sum_pi_squared"] = "sum_pi_squared"
+            passes.append((self.logprob_fn, self.actor_state["params"], names))
         if ref:
             passes.append((self.ref_logprob_fn, self._ref_on_device(), {"log_prob": "ref_log_prob"}))
         if values:
@@ -302,50 +344,86 @@ class TrainerWorker:
         return self._forward(batch, values=True)["values"]
 
     def _make_adv_fn(self):
-        """One jitted function: (scores, old/ref log-probs, values, mask, groups, kl_coef) ->
-        token-level rewards (with the in-reward KL penalty when configured), advantages, returns."""
+        """One jitted function from the scored batch to what the update needs: rollout correction
+        (decoupled mode: importance weights and rejection of the whole batch, from the old and the
+        sampler's log-probs), token-level rewards (with the in-reward KL penalty when configured), then
+        the configured advantage estimator, called with the batch fields it declares."""
         algo = self.run.algo
-        est = get_adv_estimator_fn(algo.adv_estimator)
+        est, rc = self.estimator, self.rc
+        config = AdvantageConfig(gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+                                 gdpo_reward_keys=algo.gdpo_reward_keys, gdpo_reward_weights=algo.gdpo_reward_weights)
 
-        def fn(scores, old_lp, ref_lp, values, mask, index, kl_coef):
-            metrics = {}
+        def fn(scores, mask, f, kl_coef):
+            metrics, out = {}, {}
+            if rc is not None and not rc.bypass_mode:
+                weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+                    f["old_log_prob"], f["rollout_log_probs"], mask, rc)
+                out["loss_mask"] = mask
+                if weights is not None:
+                    out["rollout_is_weights"] = weights
             rewards = scores
             if algo.use_kl_in_reward:
-                rewards, metrics = apply_kl_penalty(scores, old_lp, ref_lp, mask, kl_coef, algo.kl_penalty)
-            if algo.adv_estimator == "gae":
-                adv, ret = est(rewards, values, mask, algo.gamma, algo.lam)
-            elif algo.adv_estimator == "grpo":
-                adv, ret = est(rewards, mask, index, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
-            elif algo.adv_estimator == "reinforce_plus_plus":
-                adv, ret = est(rewards, mask, algo.gamma)
-            else:
-                adv, ret = est(rewards, mask, index)
-            return rewards, adv, ret, metrics
+                rewards, kl_metrics = apply_kl_penalty(scores, f["old_log_prob"], f["ref_log_prob"], mask, kl_coef,
+                                                       algo.kl_penalty)
+                metrics = {**metrics, **kl_metrics}
+            inputs = {**f, **out, "old_log_probs": f.get("old_log_prob")}
+            adv, ret = est.fn(rewards, mask, config=config, **{k: inputs.get(k) for k in est.inputs})
+            return {**out, "token_level_rewards": rewards, "advantages": adv, "returns": ret}, metrics
 
         return jax.jit(fn)
 
+    def _adv_inputs(self, batch: TrainBatch) -> dict:
+        """The batch fields the advantage function reads, by the estimator's input names."""
+        f, need = batch.fields, set(self.estimator.inputs)
+        out = {"index": batch.group_ids}
+        for name in ("old_log_prob", "ref_log_prob", "rollout_log_probs", "values", "sum_pi_squared",
+                     "reward_baselines"):
+            if name in f:
+                out[name] = f[name]
+        if "reward_components" in need:
+            keys = self.run.algo.gdpo_reward_keys or ()
+            out["reward_components"] = {k: f[f"score/{k}"] for k in keys}
+        missing = sorted(k for k in need - {"old_log_probs", "rollout_is_weights"} if k not in out)
+        if "old_log_probs" in need and "old_log_prob" not in out:
+            missing.append("old_log_prob")
+        if missing:
+            raise ValueError(f"algorithm.adv_estimator={self.run.algo.adv_estimator!r} needs the batch fields "
+                             f"{missing}, which this step did not produce")
+        return out
+
     def compute_advantages(self, batch: TrainBatch, kl_coef: float = 0.0) -> dict:
-        """Token-level rewards, advantages and returns [R, Tr] (veRL semantics), on device."""
-        f = batch.fields
-        zeros = np.zeros_like(batch.response_mask)
-        rewards, adv, ret, metrics = self.adv_fn(
-            f["token_level_scores"], f.get("old_log_prob", zeros), f.get("ref_log_prob", zeros),
-            f.get("values", zeros), batch.response_mask, batch.group_ids, np.float32(kl_coef))
-        fields = {"token_level_rewards": np.asarray(rewards), "advantages": np.asarray(adv), "returns": np.asarray(ret)}
+        """Token-level rewards, advantages and returns [R, Tr] (veRL semantics), on device; with rollout
+        correction on (decoupled mode), also the importance weights and the loss mask of the update."""
+        if self.bypass:  # veRL's bypass mode: the sampler's log-probs are the old ones
+            batch.fields["old_log_prob"] = batch.fields["rollout_log_probs"]
+        fields, metrics = self.adv_fn(batch.fields["token_level_scores"], batch.response_mask,
+                                      self._adv_inputs(batch), np.float32(kl_coef))
+        fields, metrics = distributed.fetch_tree((fields, metrics))
+        fields = {k: np.asarray(v) for k, v in fields.items()}
+        if self.bypass:
+            fields["old_log_prob"] = batch.fields["old_log_prob"]
         return {"fields": fields, "metrics": {k: float(v) for k, v in metrics.items()}}
 
-    def _update(self, batch: TrainBatch, *, state, grad_fn, metrics0, zeros, apply_fn, fields, epochs, lr, prefix):
+    def _update(self, batch: TrainBatch, *, state, grad_fn, metrics0, zeros, apply_fn, fields, epochs, lr, prefix,
+                prepare=None):
+        """Epochs x mini-batches of optimizer steps, each the sum of its micro-batches' gradients.
+
+        `prepare(sub, params, index)`, when given, adds fields that depend on the whole mini-batch and the
+        current params to `sub` before it is split (the clip_cov / kl_cov token selection).
+        """
         run = self.run
         mini = run.actor.ppo_mini_batch_size * run.rollout.n
         history = []
         with jax.set_mesh(self.mesh):
-            for _ in range(epochs):
-                for idx in split_mini_batches(len(batch), mini):
+            for epoch in range(epochs):
+                for i, idx in enumerate(split_mini_batches(len(batch), mini)):
                     sub = batch.select(idx)
-                    mask = sub.response_mask
+                    if prepare is not None:
+                        prepare(sub, state["params"], epoch * len(batch) + i)
+                    mask = sub.fields.get("loss_mask", sub.response_mask)
                     norm = LossNorm(num_tokens=jnp.float32(max(mask.sum(), 1.0)),
                                     num_seqs=jnp.float32(max((mask.sum(-1) > 0).sum(), 1)),
-                                    max_len=jnp.float32(run.data.max_response_length))
+                                    max_len=jnp.float32(run.actor.loss_scale_factor or run.data.max_response_length))
                     grads = metrics = None
                     for _, mb in self._micro_batches(sub, fields, self.pack):
                         if grads is None:
@@ -356,27 +434,46 @@ class TrainerWorker:
                     history.append((metrics, applied))  # fetched after the last update: no sync here
         history = [{**m, f"{prefix}/grad_norm": a["grad_norm"], f"{prefix}/skipped_steps": a["skipped"],
                     f"{prefix}/lr": lr} for m, a in distributed.fetch_tree(history)]
-        out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+        out = {}
+        for k in history[0]:
+            combine = steps.metric_combiner(k)
+            vals = [h[k] for h in history]
+            out[k] = float(np.mean(vals) if combine is None else functools.reduce(combine, vals))
         out[f"{prefix}/skipped_steps"] = float(sum(h[f"{prefix}/skipped_steps"] for h in history))
-        if "actor/logprob_gap_max" in out:
-            out["actor/logprob_gap_max"] = float(max(h["actor/logprob_gap_max"] for h in history))
         return state, out
 
     def update_actor(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """PPO epochs x mini-batches of AdamW updates; `step` is the training step (for the LR)."""
+        if self.bypass:  # veRL's bypass mode: the sampler's log-probs are the old ones
+            batch.fields.setdefault("old_log_prob", batch.fields["rollout_log_probs"])
         fields = ["advantages"] if self.on_policy else ["old_log_prob", "advantages"]
         if self.run.actor.use_kl_loss:
             fields.append("ref_log_prob")
-        if "rollout_log_probs" in batch.fields:
-            fields.append("rollout_log_probs")
+        fields += [k for k in ("rollout_log_probs", "loss_mask", "rollout_is_weights") if k in batch.fields]
+        prepare = None
+        if self.cov_select is not None:
+            fields.append("token_select")
+            prepare = functools.partial(self._select_cov_tokens, step=step)
         self.actor_state, metrics = self._update(
             batch, state=self.actor_state, grad_fn=self.actor_grad, metrics0=self.actor_metrics0,
             zeros=self.actor_zeros, apply_fn=self.actor_apply, fields=fields, epochs=self.run.actor.ppo_epochs,
-            lr=float(self.lr_at(step)),
-            prefix="actor")
+            lr=float(self.lr_at(step)), prefix="actor", prepare=prepare)
         if self.run.actor.use_kl_loss:
             metrics["actor/kl_coef"] = self.run.actor.kl_loss_coef
         return metrics
+
+    def _select_cov_tokens(self, sub: TrainBatch, params, index: int, *, step: int) -> None:
+        """clip_cov / kl_cov: the mini-batch's selected tokens, from the current policy's log-probs (one
+        forward pass over the mini-batch), so every micro-batch applies the mini-batch's selection."""
+        logp = np.zeros(sub.responses.shape, np.float32)
+        for seq_ids, mb in self._micro_batches(sub, (), self.fwd_pack):
+            used = seq_ids >= 0
+            logp[seq_ids[used]] = distributed.fetch(self.logprob_fn(params, mb)["log_prob"])[used]
+        mask = sub.fields.get("loss_mask", sub.response_mask)
+        old = logp if self.on_policy else sub.fields["old_log_prob"]
+        key = jax.random.fold_in(jax.random.key(self.run.data.seed), step * 100003 + index)
+        sel = self.cov_select(old, logp, sub.fields["advantages"], mask, key=key)
+        sub.fields["token_select"] = np.asarray(distributed.fetch(sel), np.float32)
 
     def update_critic(self, batch: TrainBatch, step: int) -> dict[str, float]:
         self.critic_state, metrics = self._update(
@@ -393,10 +490,16 @@ class TrainerWorker:
             jax.block_until_ready(self.engine.params)
 
     def save_weights(self, directory: str, step: int) -> str:
-        """Writes the actor params as a weights-only Orbax checkpoint (for a vLLM pool)."""
+        """Writes the actor params as a weights-only Orbax checkpoint (for a vLLM pool), in the compute
+        dtype the pool runs in (bf16 by default: half the bytes of the fp32 master weights to write and to
+        read back), cast on the devices in the params' own sharding."""
         from jaxrl_llm.weights_io import save_weights
 
-        return save_weights(directory, step, self.actor_state["params"], self.cfg)
+        if self._cast_for_pool is None:
+            dt = jnp.dtype(self.cfg.dtype)
+            self._cast_for_pool = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt), p),
+                                          out_shardings=self.actor_sh)
+        return save_weights(directory, step, self._cast_for_pool(self.actor_state["params"]), self.cfg)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def set_aside_checkpoints(self) -> list[str]:
@@ -457,7 +560,7 @@ class TrainerWorker:
         return self.needs_ref
 
     def needs_old_log_prob(self) -> bool:
-        return not self.on_policy
+        return not self.on_policy and not self.bypass
 
     def num_devices(self) -> int:
         return self.mesh.devices.size

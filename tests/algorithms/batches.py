@@ -1,8 +1,14 @@
-"""Random RL batches for the algorithm tests: mixed group sizes, empty rows, an all-equal group."""
+"""Random RL batches for the algorithm tests (mixed group sizes, empty rows, an all-equal group), and the
+estimator tests' base class."""
 
 from __future__ import annotations
 
+import functools
+
+import chex
 import numpy as np
+
+from jaxrl_llm.algorithms import AdvantageConfig
 
 # Groups of one, two and eight responses (and a second singleton and a triple), as the brief asks.
 GROUP_SIZES = (1, 2, 8, 1, 3)
@@ -45,3 +51,15 @@ def random_batch(seed: int = 0, t: int = 6, group_sizes=GROUP_SIZES, num_empty_r
         "advantages": f32(b, t),
         "returns": f32(b, t),
     }
+
+
+class EstimatorTest(chex.TestCase):
+    """Base of the advantage-estimator tests: `_run` calls an estimator through the convention (config
+    plus named inputs), under each chex variant, and checks the output shapes and dtypes."""
+
+    def _run(self, fn, rewards, mask, config=None, **inputs):
+        config = config or AdvantageConfig()
+        adv, ret = self.variant(functools.partial(fn, config=config))(rewards, mask, **inputs)
+        chex.assert_shape((adv, ret), np.shape(mask))
+        chex.assert_type((adv, ret), np.float32)
+        return np.asarray(adv), np.asarray(ret)

@@ -113,6 +113,75 @@ def test_no_full_fp32_logits_buffer():
         assert chunked_mem.temp_size_in_bytes < logits_bytes / 8
 
 
+# ---- sum_pi_squared: Σ_v softmax(logits / temperature)_v², forward-only ----------------------------
+
+
+def _sum_pi_squared_f64(hidden, weight, temperature):
+    logits = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64) / temperature
+    return np.square(np.exp(ref.log_softmax(logits))).sum(-1)
+
+
+@pytest.mark.parametrize("temperature, chunk, scale", [(0.7, CHUNK, 1.0), (1.0, 100, 1.0), (1.0, 1000, 1.0),
+                                                       (0.5, CHUNK, 40.0)])
+def test_sum_pi_squared_against_float64_numpy(temperature, chunk, scale):
+    """Chunk sizes as above; scale 40 gives logits in the hundreds (a near one-hot softmax)."""
+    hidden, weight, targets = _inputs(seed=4)
+    hidden = hidden * scale
+    fn = functools.partial(compute_token_logprobs, temperature=temperature, chunk_size=chunk,
+                           with_sum_pi_squared=True)
+    with jax.default_matmul_precision("highest"):
+        lp, ent, spp = jax.jit(fn)(hidden, weight, targets)
+        lp0, ent0 = jax.jit(functools.partial(fn, with_sum_pi_squared=False))(hidden, weight, targets)
+    chex.assert_shape((lp, ent, spp), (B, T))
+    assert spp.dtype == jnp.float32
+    want = _sum_pi_squared_f64(hidden, weight, temperature)
+    np.testing.assert_allclose(spp, want, rtol=1e-5, atol=1e-6)
+    assert np.all((np.asarray(spp) > 0) & (np.asarray(spp) <= 1 + 1e-6))
+    chex.assert_trees_all_close((lp, ent), (lp0, ent0), rtol=1e-6, atol=1e-6)  # the other outputs are unchanged
+    naive = jax.jit(functools.partial(compute_token_logprobs_naive, temperature=temperature,
+                                      with_sum_pi_squared=True))(hidden, weight, targets)
+    np.testing.assert_allclose(naive[2], want, rtol=1e-5, atol=1e-6)
+
+
+def test_sum_pi_squared_leaves_gradients_unchanged_and_is_forward_only():
+    hidden, weight, targets = _inputs(seed=5)
+    base = functools.partial(compute_token_logprobs, temperature=0.8, chunk_size=CHUNK)
+    with_spp = lambda h, w, t: base(h, w, t, with_sum_pi_squared=True)[:2]
+    chex.assert_trees_all_close(_outputs_and_grads(with_spp)(hidden, weight, targets),
+                                _outputs_and_grads(base)(hidden, weight, targets), rtol=1e-6, atol=1e-6)
+
+    def spp_only(h, w):
+        return jnp.sum(base(h, w, targets, with_entropy=False, with_sum_pi_squared=True)[2])
+
+    grads = jax.jit(jax.grad(spp_only, argnums=(0, 1)))(hidden, weight)
+    chex.assert_trees_all_equal(grads, jax.tree.map(jnp.zeros_like, grads))  # as if under stop_gradient
+    lp, none, spp = jax.jit(functools.partial(base, with_entropy=False, with_sum_pi_squared=True))(
+        hidden, weight, targets)
+    assert none is None and spp.shape == lp.shape == (B, T)
+
+
+def test_sum_pi_squared_keeps_the_full_fp32_logits_out_of_the_program():
+    """The old-log-prob pass (forward only) and a training step, both asking for sum_pi_squared."""
+    n, d, v, chunk = 2048, 8, 20_000, 512
+    args = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((d, v), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.int32))
+    fn = functools.partial(compute_token_logprobs, chunk_size=chunk, with_sum_pi_squared=True)
+    forward = jax.jit(fn).lower(*args).compile()
+
+    def loss(h, w, t):
+        lp, ent, spp = fn(h, w, t)
+        return jnp.sum(lp) + jnp.sum(ent) + jnp.sum(spp)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
+    naive = jax.jit(functools.partial(compute_token_logprobs_naive, with_sum_pi_squared=True)).lower(*args).compile()
+    assert f"f32[{n},{v}]" in naive.as_text()  # the check can see a full-logits buffer
+    for compiled in (forward, step):
+        assert f"f32[{n},{v}]" not in compiled.as_text()
+        mem = compiled.memory_analysis()
+        if mem is not None:
+            assert mem.temp_size_in_bytes < n * v * 4 / 8
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 def test_qwen2p5_7b_head_on_gpu():

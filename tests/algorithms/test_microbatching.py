@@ -17,6 +17,7 @@ import pytest
 
 from jaxrl_llm.algorithms import (
     LOSS_AGG_MODES,
+    PolicyLossConfig,
     agg_loss,
     compute_entropy_loss,
     compute_kl_loss,
@@ -48,7 +49,8 @@ def _loss(params, batch, norm, mode):
     log_prob = logprobs_from_logits(logits, batch["actions"])
     mask = batch["response_mask"]
     pg_loss, metrics = compute_policy_loss_vanilla(batch["old_log_prob"], log_prob, batch["advantages"], mask,
-                                                   clip_ratio_high=0.28, loss_agg_mode=mode, norm=norm)
+                                                   config=PolicyLossConfig(clip_ratio_high=0.28, loss_agg_mode=mode),
+                                                   norm=norm)
     kl_loss = compute_kl_loss(log_prob, batch["ref_log_prob"], mask, "low_var_kl", mode, norm=norm)
     entropy = compute_entropy_loss(entropy_from_logits(logits), mask, mode, norm=norm)
     vpreds = batch["features"] @ params["critic"]  # [B, T]
