@@ -33,6 +33,25 @@ def test_seed_recipe_values():
     assert (ppo.data.max_prompt_length, ppo.data.max_response_length, ppo.algo.adv_estimator) == (512, 256, "gae")
 
 
+def test_dapo_recipe_is_the_seed_run_with_dapo():
+    """veRL's DAPO recipe on the seed run: clip-higher, token-mean, no KL, dynamic sampling, overlong
+    shaping (veRL's 4,096 of 20,480 tokens scaled to 1,024); everything else as the seed run."""
+    gin.clear_config()
+    seed = parse_config(["gin/grpo_qwen7b.gin"], [])
+    gin.clear_config()
+    run = parse_config(["gin/dapo_qwen7b.gin"], [])
+    assert (run.actor.low, run.actor.high, run.actor.clip_ratio_c, run.actor.loss_agg_mode) == (0.2, 0.28, 10.0,
+                                                                                                 "token-mean")
+    assert not run.actor.use_kl_loss and not run.algo.use_kl_in_reward and run.algo.adv_estimator == "grpo"
+    fg, ob = run.filter_groups, run.overlong_buffer
+    assert (fg.enable, fg.metric, fg.max_num_gen_batches) == (True, "reward", 10)
+    assert (ob.enable, ob.len, ob.penalty_factor) == (True, 205, 1.0)
+    assert ob.len == round(run.data.max_response_length * 4096 / 20480)
+    assert (run.data, run.rollout, run.model) == (seed.data, seed.rollout, seed.model)
+    assert (run.actor.lr, run.actor.ppo_mini_batch_size, run.trainer.mesh_fsdp) == (1e-6, 256, 8)
+    assert run.trainer.experiment_name == "dapo_qwen2p5_7b_gsm8k"
+
+
 @pytest.mark.parametrize("recipe,path,preset,family", [
     ("grpo_qwen3_8b.gin", "Qwen/Qwen3-8B", "qwen3_8b", "qwen3"),
     ("grpo_llama3p1_8b.gin", "meta-llama/Llama-3.1-8B-Instruct", "llama3p1_8b", "llama"),

@@ -1,9 +1,12 @@
 """The RL loop: the one module with side effects. Reads top to bottom as one step of the run.
 
-The data source yields prompts. The engine samples `n` responses each. The worker starts the old and
-reference log-prob (and value) passes on the device, and reward functions score the responses on the
-host meanwhile. Then advantages; the actor (and critic) update. New weights go to the engine. Metrics
-are logged; validation and checkpoints happen every `test_freq` / `save_freq` steps.
+The data source yields prompts. The engine samples `n` responses each (and, for REMAX, one greedy
+response a prompt). The worker starts the old and reference log-prob (and value) passes on the device,
+and reward functions score the responses on the host meanwhile (DAPO's overlong penalty shapes the
+scores). With DAPO's dynamic sampling on, the batch is only known after scoring: the loop scores prompt
+batches until enough groups are kept (`trainer.dynamic_sampling`), then runs the passes on that batch.
+Then advantages; the actor (and critic) update. New weights go to the engine. Metrics are logged;
+validation (`trainer.validation`) and checkpoints happen every `test_freq` / `save_freq` steps.
 
 In a multi-process run every process runs this loop with the same data, the same programs in the same
 order, and the same host-side values (scores and sampler decisions are gathered across processes);
@@ -12,6 +15,8 @@ only process 0 logs and writes the run's own files (`jaxrl_llm.distributed`).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -22,15 +27,17 @@ import jaxrl_llm
 from jaxrl_llm import distributed
 from jaxrl_llm.algorithms import make_kl_controller
 from jaxrl_llm.checkpoint import resolve_resume
-from jaxrl_llm.rewards import CustomRewardFunction, RewardManager
+from jaxrl_llm.rewards import CustomRewardFunction, RewardManager, apply_overlong_penalty, overlong_metrics
 from jaxrl_llm.rollout import RolloutBatch, SamplingParams
 from jaxrl_llm.trainer import metrics as M
 from jaxrl_llm.trainer.batch import TrainBatch
 from jaxrl_llm.trainer.config import RunConfig
 from jaxrl_llm.trainer.data_setup import build_datasets, load_tokenizer
+from jaxrl_llm.trainer.dynamic_sampling import GroupFilter, ScoredDraw, draw_seed, extra_info_fields
 from jaxrl_llm.trainer.loggers import MetricsLogger
 from jaxrl_llm.trainer.roles import make_worker
 from jaxrl_llm.trainer.step_rewards import StepScorer
+from jaxrl_llm.trainer.validation import ValidationResults
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,17 @@ def build_train_batch(prompts: list[dict], rollout: RolloutBatch, max_response_l
                       group_ids=rollout.prompt_index.astype(np.int32), fields={"rollout_log_probs": logps})
 
 
+@dataclasses.dataclass
+class Rollout:
+    """One prompt batch's responses before scoring: `items[i]` is the dataset row response i answers;
+    `greedy` / `greedy_items` the greedy response of each prompt (REMAX's baseline), else None."""
+
+    batch: TrainBatch
+    items: list[dict]
+    greedy: TrainBatch | None = None
+    greedy_items: list[dict] | None = None
+
+
 class RLTrainer:
     """Runs GRPO / PPO for `RunConfig`; `fit()` trains, validates, logs and checkpoints."""
 
@@ -68,7 +86,8 @@ class RLTrainer:
         self.total_steps = t.total_training_steps or self.iterator.steps_per_epoch * t.total_epochs
         custom = (CustomRewardFunction(run.reward.custom_reward_path, run.reward.custom_reward_name)
                   if run.reward.custom_reward_path else None)
-        self.rewards = RewardManager(custom, num_workers=run.reward.num_workers, strict=run.reward.strict)
+        self.rewards = RewardManager(custom, num_workers=run.reward.num_workers, backend=run.reward.backend,
+                                     strict=run.reward.strict)
         self.scorer = StepScorer(self.tokenizer, self.rewards)
         datasets = [d for d in (self.train_data, self.val_data) if d is not None]
         self.rewards.check_data_sources({item["data_source"] for d in datasets for item in d},
@@ -169,18 +188,96 @@ class RLTrainer:
             distributed.barrier(f"weights_{version}")
 
     # ---- one step --------------------------------------------------------------------------------
-    def sampling(self, step: int, *, validate: bool = False) -> SamplingParams:
-        r = self.run.rollout
+    def sampling(self, step: int, *, validate: bool = False, draw: int = 0) -> SamplingParams:
+        """Training sampling of prompt batch `draw` of `step` (a seed of its own), or validation's."""
+        r, d = self.run.rollout, self.run.data
         if validate:
-            return SamplingParams(n=1, temperature=r.val_temperature, max_new_tokens=self.run.data.max_response_length,
-                                  seed=self.run.data.seed)
+            return SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p, top_k=r.val_top_k,
+                                  max_new_tokens=d.max_response_length, seed=d.seed)
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=self.run.data.max_response_length, seed=self.run.data.seed * 100003 + step)
+                              max_new_tokens=d.max_response_length, seed=draw_seed(d.seed, step, draw))
 
-    def score(self, prompts: list[dict], batch: TrainBatch, rollout: RolloutBatch, device_done=None):
-        """Scores of every response (this process scores its share; the shares are gathered)."""
-        return self.scorer.score([prompts[i] for i in rollout.prompt_index], batch.responses,
-                                 batch.response_lengths, device_done=device_done)
+    def rollout(self, prompts: list[dict], step: int, draw: int, timer) -> Rollout:
+        """Samples `n` responses a prompt; for REMAX also one greedy response a prompt (`timing_s/gen_max`)."""
+        max_len = self.run.data.max_response_length
+        with timer("gen"):
+            sampled = self.generate(prompts, self.sampling(step, draw=draw))
+        out = Rollout(build_train_batch(prompts, sampled, max_len), [prompts[i] for i in sampled.prompt_index])
+        if self.run.algo.adv_estimator == "remax":
+            with timer("gen_max"):
+                greedy = self.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_len,
+                                                               seed=draw_seed(self.run.data.seed, step, draw)))
+            out.greedy = build_train_batch(prompts, greedy, max_len)
+            out.greedy_items = [prompts[i] for i in greedy.prompt_index]
+        return out
+
+    def score(self, items: list[dict], batch: TrainBatch, device_done=None) -> ScoredDraw:
+        """Scores of every response (this process scores its share; the shares are gathered), with DAPO's
+        overlong penalty added when `reward.reward_kwargs.overlong_buffer_cfg.enable` (train and validation,
+        as veRL's DAPO reward manager)."""
+        out = self.scorer.score(items, batch.responses, batch.response_lengths, device_done=device_done)
+        scores, extras = out.scores, dict(out.extra_info)
+        ob = self.run.overlong_buffer
+        if ob.enable:
+            scores, shaping = apply_overlong_penalty(scores, batch.response_lengths, buffer_len=ob.len, log=ob.log,
+                                                     max_response_length=self.run.data.max_response_length,
+                                                     penalty_factor=ob.penalty_factor)
+            extras.update(shaping)
+        return ScoredDraw(batch, scores, extras, dict(out.metrics), out.exposed_s)
+
+    def score_rollout(self, ro: Rollout, device_done=None) -> ScoredDraw:
+        """`score`, plus the per-response inputs of the estimators that need more than the score: REMAX's
+        greedy baseline (`reward_baselines`), GDPO's reward components (`score/<key>`)."""
+        scored = self.score(ro.items, ro.batch, device_done)
+        fields = scored.batch.fields
+        if ro.greedy is not None:
+            base = self.score(ro.greedy_items, ro.greedy)
+            by_prompt = np.zeros(int(ro.greedy.group_ids.max()) + 1, np.float32)
+            by_prompt[ro.greedy.group_ids] = base.scores
+            fields["reward_baselines"] = by_prompt[scored.batch.group_ids]  # [R] its prompt's greedy score
+            scored.counts = {k: v + base.counts.get(k, 0) for k, v in scored.counts.items()}
+        if self.run.algo.adv_estimator == "gdpo":
+            fields.update(extra_info_fields(scored.extra_info, self.run.algo.gdpo_reward_keys,
+                                            binding="algorithm.gdpo_reward_keys", prefix="score/"))
+        return scored
+
+    def sample_batch(self, prompts: list[dict], step: int, timer, passes: dict) -> tuple[ScoredDraw, dict]:
+        """One prompt batch, scored on the host while the device runs the old/reference log-prob (and
+        value) passes; the passes do not need the scores."""
+        ro = self.rollout(prompts, step, 0, timer)
+        if not any(passes.values()):
+            with timer("reward"):
+                return self.score_rollout(ro), {}
+        worker = self.worker
+        with timer("log_probs"):
+            worker.call("start_forward_passes", ro.batch, **passes)
+            with timer("reward"):
+                scored = self.score_rollout(ro, device_done=lambda: worker.call("forward_passes_ready"))
+            return scored, worker.call("finish_forward_passes")
+
+    def sample_filtered_batch(self, prompts: list[dict], step: int, timer, passes: dict,
+                              metrics: dict) -> tuple[ScoredDraw, dict]:
+        """DAPO's dynamic sampling: draws, generates and scores prompt batches until the groups whose
+        filter metric varies fill `data.train_batch_size` prompts, then runs the passes on that batch
+        alone (it is only known after scoring, so nothing overlaps the reward)."""
+        groups = GroupFilter(self.run.filter_groups, self.run.data.train_batch_size)
+        for draw in itertools.count():
+            if draw:
+                groups.check_budget()
+                prompts = next(self.iterator)  # the checkpoint's iterator state covers every draw
+            ro = self.rollout(prompts, step, draw, timer)
+            with timer("reward"):
+                groups.add(self.score_rollout(ro))
+            if groups.full:
+                break
+        metrics.update(groups.metrics())
+        scored = groups.result()
+        scored.exposed_s = timer.times["reward"]
+        if not any(passes.values()):
+            return scored, {}
+        with timer("log_probs"):
+            self.worker.call("start_forward_passes", scored.batch, **passes)
+            return scored, self.worker.call("finish_forward_passes")
 
     def _replayed_batch(self, step: int) -> TrainBatch:
         path = os.path.join(self.run.trainer.replay_batches_from, f"step_{step:06d}.npz")
@@ -206,39 +303,27 @@ class RLTrainer:
         if run.trainer.replay_batches_from:
             return self._replay_step(step)
         with timer("step"):
-            with timer("gen"):
-                rollout = self.generate(prompts, self.sampling(step))
-            batch = build_train_batch(prompts, rollout, run.data.max_response_length)
             passes = dict(old=self.needs_old, ref=self.needs_ref, values=run.algo.uses_critic)
-            out = {}
-            if any(passes.values()):
-                with timer("log_probs"):
-                    # The device runs the old/reference log-prob (and value) passes while the host scores
-                    # the responses; the passes do not need the scores.
-                    worker.call("start_forward_passes", batch, **passes)
-                    with timer("reward"):
-                        scored = self.score(prompts, batch, rollout,
-                                            device_done=lambda: worker.call("forward_passes_ready"))
-                    out = worker.call("finish_forward_passes")
+            if run.filter_groups.enable:
+                scored, out = self.sample_filtered_batch(prompts, step, timer, passes, metrics)
             else:
-                with timer("reward"):
-                    scored = self.score(prompts, batch, rollout)
-            metrics.update(scored.metrics)
+                scored, out = self.sample_batch(prompts, step, timer, passes)
+            batch = scored.batch
+            metrics.update(scored.counts)
             metrics["timing_s/reward_exposed"] = scored.exposed_s
+            metrics.update(overlong_metrics(scored.extra_info))
             tls = np.zeros_like(batch.response_mask)
             last = np.maximum(batch.response_lengths - 1, 0)
             tls[np.arange(len(batch)), last] = scored.scores
             batch.fields["token_level_scores"] = tls
-            for name in ("old_log_prob", "ref_log_prob", "values"):
-                if name in out:
-                    batch.fields[name] = out[name]
+            batch.fields.update(out)  # every array of the passes: old/ref log-probs, values, entropy, ...
             with timer("adv"):
                 kl_coef = self.kl_ctrl.value if self.kl_ctrl is not None else 0.0
                 adv = worker.call("compute_advantages", batch, kl_coef)
             batch.fields.update(adv["fields"])
             metrics.update(adv["metrics"])
             if self.kl_ctrl is not None:
-                self.kl_ctrl.update(adv["metrics"]["actor/reward_kl_penalty"], n_steps=len(prompts))
+                self.kl_ctrl.update(adv["metrics"]["actor/reward_kl_penalty"], n_steps=run.data.train_batch_size)
             if run.trainer.dump_batches:
                 self._dump_batch(batch, step)
             self._update(batch, step, timer, metrics)
@@ -279,21 +364,20 @@ class RLTrainer:
 
     # ---- validation ------------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
-        """Greedy decode of the validation split: `val-core/<data_source>/reward/mean@1`."""
+        """`rollout.val_n` responses to every validation prompt (greedy when val_n = 1), scored; veRL's
+        val-core / val-aux metrics per data source (mean@N, best@N, worst@N, maj@N), pass@k and
+        `val-core/mean` (see `jaxrl_llm.trainer.validation`)."""
         items = [self.val_data[i] for i in range(len(self.val_data))]
         bs = self.run.data.val_batch_size or len(items)
-        scores, sources = [], []
+        results = ValidationResults()
         for start in range(0, len(items), bs):
             chunk = items[start:start + bs]
             rollout = self.generate(chunk, self.sampling(0, validate=True))
-            batch = build_train_batch(chunk, rollout, self.run.data.max_response_length)
-            out = self.score(chunk, batch, rollout)
-            scores.extend(out.scores.tolist())
-            sources.extend(p["data_source"] for p in chunk)
-        scores, sources = np.asarray(scores), np.asarray(sources)
-        metrics = {f"val-core/{src}/reward/mean@1": float(scores[sources == src].mean()) for src in np.unique(sources)}
-        metrics["val-core/mean"] = float(scores.mean())
-        return metrics
+            rows = [chunk[i] for i in rollout.prompt_index]
+            scored = self.score(rows, build_train_batch(chunk, rollout, self.run.data.max_response_length))
+            results.add([r["data_source"] for r in rows], (start + rollout.prompt_index).tolist(), scored.scores,
+                        scored.extra_info)
+        return results.metrics()
 
     # ---- the run ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
