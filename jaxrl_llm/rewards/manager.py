@@ -1,4 +1,5 @@
-"""`RewardManager`: scores a batch of responses on the host, in-process or on a pool of Ray workers.
+"""`RewardManager`: scores a batch of responses on the host: in-process, on a pool of Ray workers, or on a
+pool of worker processes (for hosts without Ray, such as a GPU machine running the in-process driver).
 
 One bad sample must not stop a training run: a reward function that raises, or returns NaN, inf or
 something that is not a number, scores 0.0; the sample is logged (index, data_source, what happened)
@@ -10,6 +11,7 @@ data_source, say) always raises `RewardConfigError`, since every sample would fa
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -46,17 +48,21 @@ class RewardManager:
       reward_fn: which function; see `jaxrl_llm.rewards.scoring` (None: by data_source, a registered
         name, `CustomRewardFunction(path, name)`, or a callable).
       num_workers: 0 scores in this process; N > 0 splits each batch into N contiguous chunks scored by
-        N Ray actors. Ray is initialised locally if the caller has not done it (and shut down by
-        `close()`).
+        N workers in parallel.
+      backend: the workers: "ray" (Ray actors; Ray is initialised locally if the caller has not done it,
+        and shut down by `close()`), "process" (spawned Python processes of this host, no Ray needed),
+        or "auto" (Ray when it is installed, else processes).
       strict: raise `RewardError` when the function raises, instead of scoring 0.0.
       worker_num_cpus: CPUs that Ray reserves for each worker.
       max_logged_problems: per batch, how many failing samples get their own log line.
     """
 
-    def __init__(self, reward_fn=None, *, num_workers: int = 0, strict: bool = False,
+    def __init__(self, reward_fn=None, *, num_workers: int = 0, backend: str = "auto", strict: bool = False,
                  worker_num_cpus: float = 1, max_logged_problems: int = 10):
         if not isinstance(num_workers, int) or num_workers < 0:
             raise RewardConfigError(f"RewardManager: num_workers={num_workers!r}; use 0 (in-process) or more")
+        if backend not in ("auto", "ray", "process"):
+            raise RewardConfigError(f"RewardManager: backend={backend!r}; use 'auto', 'ray' or 'process'")
         self.strict = strict
         self.num_workers = num_workers
         self._by_data_source = reward_fn is None
@@ -64,9 +70,35 @@ class RewardManager:
         # Resolved here too, so that a bad spec fails at once with one clear error, not inside a worker.
         self._fn = resolve_reward_fn(reward_fn)
         self._workers: list = []
+        self._pool = None  # the "process" backend's executor
         self._owns_ray = False
         if num_workers:
-            self._start_workers(reward_fn, worker_num_cpus)
+            if backend == "auto":
+                backend = "ray" if importlib.util.find_spec("ray") is not None else "process"
+            if backend == "ray":
+                self._start_workers(reward_fn, worker_num_cpus)
+            else:
+                self._start_processes(reward_fn)
+
+    def _start_processes(self, spec) -> None:
+        """`num_workers` spawned processes (never forked: this process runs JAX's threads), each building
+        the reward function from `spec` once, with this process's registry."""
+        import concurrent.futures
+        import multiprocessing
+
+        try:  # by value where cloudpickle is installed (as with Ray): functions defined anywhere travel
+            import cloudpickle as pickler
+        except ImportError:
+            import pickle as pickler
+        try:
+            payload = pickler.dumps((spec, registry_snapshot()))
+        except Exception as e:
+            raise RewardConfigError(f"RewardManager: the reward functions cannot be sent to worker processes "
+                                    f"({type(e).__name__}: {e}); define them at module level, or use "
+                                    "num_workers = 0") from None
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=self.num_workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_process_worker, initargs=(payload,))
 
     def _start_workers(self, spec, num_cpus: float) -> None:
         import ray
@@ -107,7 +139,10 @@ class RewardManager:
                 "(gin: reward.custom_reward_path / reward.custom_reward_name)")
 
     def close(self) -> None:
-        """Stops the Ray workers (and Ray itself, if this manager started it)."""
+        """Stops the workers (and Ray itself, if this manager started it)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         if self._workers:
             import ray
 
@@ -151,12 +186,23 @@ class RewardManager:
             extra_info=_collect_extras(results))
 
     def _score(self, samples: list) -> list[SampleResult]:
-        if not self._workers or not samples:
+        if (not self._workers and self._pool is None) or not samples:
             return score_samples(self._fn, samples)
+        n_chunks = min(self.num_workers, len(samples))
+        bounds = np.linspace(0, len(samples), n_chunks + 1).astype(int)
+        if self._pool is not None:
+            futures = [self._pool.submit(_score_in_process_worker, samples[bounds[i]:bounds[i + 1]])
+                       for i in range(n_chunks)]
+            results = []
+            for i, future in enumerate(futures):
+                try:
+                    results.extend(future.result())
+                except Exception as e:  # a worker died (BrokenProcessPool) or could not unpickle a sample
+                    raise RewardError(f"reward worker process {i} failed while scoring samples "
+                                      f"{bounds[i]}..{bounds[i + 1] - 1}: {type(e).__name__}: {e}") from e
+            return results
         import ray
 
-        n_chunks = min(len(self._workers), len(samples))
-        bounds = np.linspace(0, len(samples), n_chunks + 1).astype(int)
         futures = [self._workers[i].score.remote(samples[bounds[i]:bounds[i + 1]]) for i in range(n_chunks)]
         results = []
         for i, future in enumerate(futures):
@@ -182,6 +228,20 @@ class RewardManager:
         if len(problems) > self.max_logged_problems:
             log.warning("... and %d more samples scored 0.0 after a reward function problem in this batch",
                         len(problems) - self.max_logged_problems)
+
+
+_PROCESS_WORKER: RewardWorker | None = None
+
+
+def _init_process_worker(payload: bytes) -> None:
+    import pickle
+
+    global _PROCESS_WORKER
+    _PROCESS_WORKER = RewardWorker(*pickle.loads(payload))
+
+
+def _score_in_process_worker(samples: list) -> list[SampleResult]:
+    return _PROCESS_WORKER.score(samples)
 
 
 def _collect_extras(results: list[SampleResult]) -> dict[str, list]:

@@ -57,3 +57,23 @@ def test_exposed_time_counts_scoring_after_the_device_is_done(tokenizer):
     calls = iter(range(100))
     half = scorer.score(items, responses, lengths, device_done=lambda: next(calls) >= 4)  # done mid-way
     assert half.exposed_s > 0.0
+
+
+def test_step_scored_by_worker_processes_equals_in_process(tmp_path):
+    """`reward.num_workers = 2, reward.backend = 'process'` (the way to score in parallel on a host without
+    Ray): the same step, metric for metric, as scoring in the trainer's process."""
+    from jaxrl_llm.trainer.loop import RLTrainer
+    from tests.trainer import runs
+
+    out = {}
+    for name, params in (("inproc", ()), ("procs", ("reward.num_workers=2", "reward.backend='process'"))):
+        trainer = RLTrainer(runs.run_config("train.driver='inprocess'", *params, steps=1, run_dir=tmp_path / name))
+        try:
+            out[name] = trainer.train_step(next(trainer.iterator), 0)
+        finally:
+            trainer.worker.call("close_checkpointer")
+            trainer.rewards.close()
+    assert trainer.rewards._pool is None  # closed
+    keys = [k for k in out["inproc"] if not k.startswith(runs.TIME_KEYS)]
+    assert "critic/score/mean" in keys
+    assert {k: out["procs"][k] for k in keys} == {k: out["inproc"][k] for k in keys}
