@@ -17,10 +17,12 @@ prompts differ reuse them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models.qwen2 import _MASK_VALUE, dot_product_attention, rms_norm, segment_mask
@@ -45,6 +47,7 @@ class DecodeSpec:
     stop_ids: tuple[int, ...]
     pad_id: int
     max_new_tokens: int
+    attention: str = "xla"  # decode attention: "xla" (reads every cache slot) or "pallas" (valid slots only)
 
     def inv_freq(self) -> jax.Array:
         """RoPE inverse frequencies [H/2], from the function the trainer's model uses too."""
@@ -169,6 +172,29 @@ def _decode_attention(q, kc, vc, valid):
     return out.reshape(r, 1, n, h)
 
 
+def _pallas_decode_attention(q, kc, vc, starts, ends):
+    """The ragged kernel (kernels/decode_attention.py): row r reads only slots [starts[r], ends[r]).
+
+    Under a mesh it runs per shard (rows over the data axes, kv heads over "tensor", as the caches
+    are laid out), since a pallas_call has no partitioning rule of its own.
+
+    Args:
+      q: [R, 1, N, H]; kc, vc: [R, K, C, H]; starts, ends: [R] int32.
+    Returns:
+      [R, 1, N, H].
+    """
+    from kernels.decode_attention import decode_attention  # the repo's kernels/ package
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return decode_attention(q, kc, vc, starts, ends)
+    cache_spec = sharding.logical_to_spec(("batch", "act_kv_heads", None, None), kc.shape, mesh)
+    q_spec = P(cache_spec[0], None, cache_spec[1], None)  # N = K G: splitting K splits N alike
+    row_spec = P(cache_spec[0])
+    return jax.shard_map(decode_attention, mesh=mesh, in_specs=(q_spec, cache_spec, cache_spec, row_spec, row_spec),
+                         out_specs=q_spec, check_vma=False)(q, kc, vc, starts, ends)
+
+
 def _is_stop(tokens, stop_ids):
     if not stop_ids:
         return jnp.zeros(tokens.shape, bool)
@@ -229,6 +255,8 @@ def decode_segment(eparams, state, caches, prompt_start, prompt_slots, t_end, *,
         cos, sin = rope_cos_sin(positions, spec.inv_freq())
         slot = prompt_slots + t - 1
         valid = (slot_ids >= prompt_start[:, None]) & (slot_ids <= slot)  # the prompt, then slots P .. P + t - 1
+        # The kernel reads [start, end) alone; finished rows read nothing (their outputs are discarded).
+        ends = jnp.where(st["done"], prompt_start, slot + 1)  # [R]
         x = jnp.take(eparams["embed"], tok_in[:, None], axis=0)  # [R, 1, D]
         new_cs = []
         for lp, (kc, vc) in zip(eparams["layers"], cs):
@@ -237,6 +265,8 @@ def decode_segment(eparams, state, caches, prompt_start, prompt_slots, t_end, *,
                 at = (0, 0, slot, 0)
                 kc = jax.lax.dynamic_update_slice(kc, k.transpose(0, 2, 1, 3).astype(kc.dtype), at)
                 vc = jax.lax.dynamic_update_slice(vc, v.transpose(0, 2, 1, 3).astype(vc.dtype), at)
+                if spec.attention == "pallas":
+                    return _pallas_decode_attention(q, kc, vc, prompt_start, ends), (kc, vc)
                 return _decode_attention(q, kc, vc, valid), (kc, vc)
 
             x, kv = _layer(lp, x, cos, sin, attend, spec)

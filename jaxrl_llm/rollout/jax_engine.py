@@ -60,12 +60,19 @@ class JaxEngine:
       compact_every: decode steps between checks for finished rows to drop (0: only when the
         cache grows).
       prefill_batch: prompts prefilled together (one device).
+      decode_attention: "xla" (attention over every cache slot) or "pallas" (the ragged kernel in
+        kernels/decode_attention.py: each row reads only its valid slots; interpret mode off GPU).
     """
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None,
                  dtype: str = "bfloat16", max_prompt_length: int = 1024, max_batch_size: int = 1024,
                  prompt_bucket: int = 32, gen_bucket: int = 128, compact_every: int = 64,
-                 prefill_batch: int = 64):
+                 prefill_batch: int = 64, decode_attention: str = "xla"):
+        if decode_attention not in ("xla", "pallas"):
+            raise ValueError(f"decode_attention must be 'xla' or 'pallas', got {decode_attention!r}")
+        if decode_attention == "pallas" and jax.default_backend() == "gpu" and gen_bucket % 16:
+            raise ValueError(f"decode_attention='pallas' on GPU needs gen_bucket % 16 == 0 (cache slots in "
+                             f"blocks of >= 16), got {gen_bucket}")
         self.cfg = cfg.replace(dtype=dtype, param_dtype=dtype, remat="none", attention_impl="xla")
         self.mesh = mesh
         self.max_prompt_length = max_prompt_length
@@ -73,6 +80,7 @@ class JaxEngine:
         self.prompt_bucket = prompt_bucket
         self.gen_bucket = gen_bucket
         self.compact_every = compact_every
+        self.decode_attention = decode_attention
         self.trace = False
         self.last_trace: list[dict] = []
         self.prefill_batch = prefill_batch
@@ -146,7 +154,7 @@ class JaxEngine:
             temperature=float(sampling.temperature),
             top_k=max(0, int(sampling.top_k)), top_p=float(sampling.top_p), stop_ids=tuple(sorted(set(stops))),
             pad_id=self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0,
-            max_new_tokens=int(sampling.max_new_tokens))
+            max_new_tokens=int(sampling.max_new_tokens), attention=self.decode_attention)
 
     @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("rows", "capacity", "spec"))
     def _alloc(self, *, rows, capacity, spec):
