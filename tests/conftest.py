@@ -7,6 +7,7 @@ if "XLA_FLAGS" not in os.environ or "device_count" not in os.environ["XLA_FLAGS"
                                " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import gc  # noqa: E402
 import pathlib  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -23,6 +24,16 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = pathlib.Path(os.environ.get("JAXRL_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """Drops jit's in-memory caches after each test module. A full run compiles thousands of programs
+    (every trainer a test builds jits its own functions); kept alive, their executables grew one pytest
+    process past what a 24 GB machine holds. The persistent cache above makes any recompile cheap."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
