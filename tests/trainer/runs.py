@@ -64,6 +64,25 @@ def wait_for_steps(run_dir, n: int, proc: subprocess.Popen, timeout: float = 240
     raise TimeoutError(f"{run_dir}: fewer than {n} steps after {timeout}s")
 
 
+def kill_then_resume(run_dir, *params: str, steps: int, kill_after) -> dict[int, dict]:
+    """Starts the run `len(kill_after)` times, SIGKILLs it once each time `kill_after[i]` steps are logged,
+    then runs it to the end (it resumes from its checkpoints); returns its metrics by step, after
+    checking the last run said it resumed and every step is there."""
+    import signal
+
+    for k in kill_after:
+        proc = start(run_dir, *params, steps=steps)
+        wait_for_steps(run_dir, k, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    out = run(run_dir, *params, steps=steps)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stderr
+    resumed = by_step(metrics(run_dir))
+    assert sorted(resumed) == list(range(1, steps + 1))
+    return resumed
+
+
 def run_config(*params: str, steps: int = 2, run_dir=None):
     """A RunConfig of the tiny demo with FAST settings plus `params`, parsed like the CLI does."""
     import gin

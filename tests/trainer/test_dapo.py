@@ -3,7 +3,6 @@ including an exact resume after SIGKILL), overlong shaping of training scores, a
 the estimators that need more than the score (REMAX's greedy baseline, GDPO's reward components), plus
 every array of the forward passes reaching the batch."""
 
-import signal
 
 import numpy as np
 import pytest
@@ -216,17 +215,7 @@ def test_dynamic_sampling_resumes_exactly_after_sigkill(tmp_path, reward):
     reference = runs.by_step(runs.metrics(ref_dir))
     assert sorted(reference) == list(range(1, STEPS + 1))
     assert sum(reference[s]["train/num_gen_batches"] > 1 for s in reference) >= 2  # the test has teeth
-    d = tmp_path / "run"
-    for k in (2, 4):
-        proc = runs.start(d, *params, steps=STEPS)
-        runs.wait_for_steps(d, k, proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    out = runs.run(d, *params, steps=STEPS)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "resumed from" in out.stderr
-    resumed = runs.by_step(runs.metrics(d))
-    assert sorted(resumed) == list(range(1, STEPS + 1))
+    resumed = runs.kill_then_resume(tmp_path / "run", *params, steps=STEPS, kill_after=(2, 4))
     for step in range(1, STEPS + 1):
         assert resumed[step] == reference[step], f"step {step} differs after a resume"
 

@@ -2,7 +2,6 @@
 metrics equal an uninterrupted run's, bit for bit on CPU. A corrupted latest checkpoint is skipped."""
 
 import os
-import signal
 import subprocess
 
 import numpy as np
@@ -26,16 +25,7 @@ def reference(tmp_path_factory):
 def test_sigkill_at_five_points_then_resume_is_exact(tmp_path, reference):
     d = tmp_path / "run"
     kill_after = sorted(np.random.default_rng(0).choice(np.arange(1, STEPS), size=5, replace=False).tolist())
-    for k in kill_after:
-        proc = runs.start(d, "train.save_freq=1", steps=STEPS)
-        runs.wait_for_steps(d, k, proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    out = runs.run(d, "train.save_freq=1", steps=STEPS)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "resumed from" in out.stderr
-    resumed = runs.by_step(runs.metrics(d))
-    assert sorted(resumed) == list(range(1, STEPS + 1))
+    resumed = runs.kill_then_resume(d, "train.save_freq=1", steps=STEPS, kill_after=kill_after)
     for step in range(1, STEPS + 1):
         assert resumed[step] == reference[step], f"step {step} differs after kills at {kill_after}"
 
