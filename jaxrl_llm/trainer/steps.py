@@ -48,17 +48,24 @@ def gather_response(packed: jax.Array, resp_pos: jax.Array) -> jax.Array:
     return jnp.take(packed.reshape(-1), resp_pos, axis=0)
 
 
-def token_logprobs(model, mb, *, temperature: float, chunk_size: int, with_entropy: bool):
-    """Log-prob (and entropy) of every response token under `model`, never forming [N, V] logits.
+def token_logprobs(model, mb, *, temperature: float, chunk_size: int, with_entropy: bool = False,
+                   with_sum_pi_squared: bool = False) -> dict[str, jax.Array]:
+    """Per-token outputs of every response token under `model`, never forming [N, V] logits.
 
     Returns:
-      logprobs [S, Tr] float32, entropy [S, Tr] float32 or None.
+      {"log_prob": [S, Tr]} float32, plus "entropy" and "sum_pi_squared" (Σ_v π(v)², forward only) [S, Tr]
+      when asked for.
     """
     hidden = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"])  # [rows, L, D]
-    logp, ent = compute_token_logprobs(hidden, model.lm_head_weight(), mb["targets"], temperature=temperature,
-                                       chunk_size=chunk_size, with_entropy=with_entropy)  # [rows, L]
-    logp = gather_response(logp, mb["resp_pos"])
-    return logp, (gather_response(ent, mb["resp_pos"]) if with_entropy else None)
+    outs = compute_token_logprobs(hidden, model.lm_head_weight(), mb["targets"], temperature=temperature,
+                                  chunk_size=chunk_size, with_entropy=with_entropy,
+                                  with_sum_pi_squared=with_sum_pi_squared)  # each [rows, L]
+    out = {"log_prob": gather_response(outs[0], mb["resp_pos"])}
+    if with_entropy:
+        out["entropy"] = gather_response(outs[1], mb["resp_pos"])
+    if with_sum_pi_squared:
+        out["sum_pi_squared"] = gather_response(outs[-1], mb["resp_pos"])
+    return out
 
 
 def values(critic, mb) -> jax.Array:
@@ -73,17 +80,8 @@ def make_logprob_fn(graphdef, *, temperature: float, chunk_size: int, with_entro
     old/ref log-prob passes (Σ_v π(v)², forward only, for the optimal-token-baseline estimators)."""
 
     def fn(params, mb):
-        model = nnx.merge(graphdef, params)
-        hidden = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"])  # [rows, L, D]
-        outs = compute_token_logprobs(hidden, model.lm_head_weight(), mb["targets"], temperature=temperature,
-                                      chunk_size=chunk_size, with_entropy=with_entropy,
-                                      with_sum_pi_squared=with_sum_pi_squared)  # each [rows, L]
-        out = {"log_prob": gather_response(outs[0], mb["resp_pos"])}
-        if with_entropy:
-            out["entropy"] = gather_response(outs[1], mb["resp_pos"])
-        if with_sum_pi_squared:
-            out["sum_pi_squared"] = gather_response(outs[-1], mb["resp_pos"])
-        return out
+        return token_logprobs(nnx.merge(graphdef, params), mb, temperature=temperature, chunk_size=chunk_size,
+                              with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared)
 
     return jax.jit(fn)
 
@@ -107,7 +105,8 @@ def actor_loss(params, graphdef, mb, norm: LossNorm, s: ActorLossSettings):
     selection of the clip_cov / kl_cov losses).
     """
     model = nnx.merge(graphdef, params)
-    logp, ent = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size, with_entropy=True)
+    outs = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size, with_entropy=True)
+    logp, ent = outs["log_prob"], outs["entropy"]
     mask = mb.get("loss_mask", mb["response_mask"])
     old = jax.lax.stop_gradient(logp) if s.on_policy else mb["old_log_prob"]
     agg_mode = s.policy.loss_agg_mode

@@ -376,8 +376,16 @@ class TrainerWorker:
         """The batch fields the advantage function reads, by the estimator's input names."""
         f, need = batch.fields, set(self.estimator.inputs)
         out = {"index": batch.group_ids}
-        for name in ("old_log_prob", "ref_log_prob", "rollout_log_probs", "values", "sum_pi_squared",
-                     "reward_baselines"):
+        # Only the [R, Tr] fields `adv_fn` reads go to the device: the rollout correction's and the in-reward
+        # KL's log-probs, and the estimator's own inputs.
+        wanted = {"values", "sum_pi_squared", "reward_baselines"} & need
+        if "old_log_probs" in need or self.run.algo.use_kl_in_reward or (self.rc is not None and not self.bypass):
+            wanted.add("old_log_prob")
+        if self.run.algo.use_kl_in_reward:
+            wanted.add("ref_log_prob")
+        if self.rc is not None and not self.bypass:
+            wanted.add("rollout_log_probs")
+        for name in sorted(wanted):
             if name in f:
                 out[name] = f[name]
         if "reward_components" in need:
@@ -468,7 +476,8 @@ class TrainerWorker:
         logp = np.zeros(sub.responses.shape, np.float32)
         for seq_ids, mb in self._micro_batches(sub, (), self.fwd_pack):
             used = seq_ids >= 0
-            logp[seq_ids[used]] = distributed.fetch(self.logprob_fn(params, mb)["log_prob"])[used]
+            # The reference pass's program: log-probs alone (no entropy or Σπ²), here with the current params.
+            logp[seq_ids[used]] = distributed.fetch(self.ref_logprob_fn(params, mb)["log_prob"])[used]
         mask = sub.fields.get("loss_mask", sub.response_mask)
         old = logp if self.on_policy else sub.fields["old_log_prob"]
         key = jax.random.fold_in(jax.random.key(self.run.data.seed), step * 100003 + index)

@@ -127,3 +127,16 @@ def test_advantage_estimator_trains(tmp_path, name):
     _finite(m)
     assert all(m_["actor/grad_norm"] > 0 for m_ in m)
     assert all(m_["critic/advantages/max"] > m_["critic/advantages/min"] for m_ in m)
+
+
+@pytest.mark.parametrize("ctrl", ["fixed", "adaptive"])
+def test_kl_in_the_reward_trains(tmp_path, ctrl):
+    """veRL's in-reward KL penalty: the advantage function reads the old and reference log-probs."""
+    m = _run(tmp_path, "algorithm.use_kl_in_reward=True", f"algorithm.kl_ctrl_type='{ctrl}'",
+             "algorithm.kl_coef=0.1", "actor.lr_warmup_steps=0", *WHOLE)
+    _finite(m)
+    assert "timing_s/log_probs" in m[0]  # the old and reference passes ran
+    assert m[0]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference
+    # Step 0 moved the policy away from the reference: a positive k1 penalty (mean log-ratio of samples).
+    assert m[1]["actor/reward_kl_penalty"] > 0 and m[1]["actor/reward_kl_penalty_coeff"] > 0
+    assert m[1]["critic/rewards/mean"] < m[1]["critic/score/mean"]
