@@ -174,7 +174,7 @@ def iter_hf_tensors(params, cfg: DecoderConfig, *, critic: bool = False,
         out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(arr.dtype)
         slices = [arr[i] for i in range(cfg.num_hidden_layers)] if row.stacked else [arr]
         for name, piece in zip(row.hf_names(cfg.num_hidden_layers), slices):
-            host = np.asarray(jax.device_get(piece)).astype(out_dtype)
+            host = np.asarray(jax.device_get(piece)).astype(out_dtype, copy=False)  # a view when it can be
             yield name, (np.ascontiguousarray(host.T) if row.transpose else host)
 
 

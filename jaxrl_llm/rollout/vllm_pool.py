@@ -2,9 +2,10 @@
 
 * `generate` splits the prompts into contiguous chunks, one per actor, and reassembles the
   responses in prompt-major order (response j of prompt i is row i * n + j), as `JaxEngine` does.
-* `update_weights` is file-based: every actor restores the trainer's Orbax weights checkpoint
-  (`weights_io.save_weights`), converts it with `models.write_hf_dir` (the one HF name table) and
-  reloads vLLM in place (see `vllm_worker` for the tied-lm_head repack and the logprob semantics).
+* `update_weights`: every actor's vLLM worker restores the trainer's Orbax weights checkpoint
+  (`weights_io.save_weights`) to host memory and loads the tensors in place through the one HF name
+  table (`vllm_worker.VllmWorkerExtension.load_orbax_weights`); no HF directory is written. See
+  `vllm_worker` for the tied-lm_head repack and the logprob semantics.
 * An actor that dies is replaced by a new one started from the current weights, and its requests
   are retried, a bounded number of times.
 
@@ -87,7 +88,7 @@ class VllmPool:
       env_vars: extra environment of the actor processes (e.g. VLLM_CPU_KVCACHE_SPACE).
       max_retries: how many times one call replaces dead actors before raising `VllmPoolError`.
       request_timeout_s: an actor that takes longer than this on one request is treated as dead.
-      scratch_dir: where actors write the HF directory of each update, removed once vLLM has read it
+      scratch_dir: where an actor writes the HF directory it starts from, removed once vLLM has read it
         (default: their temp dir; /dev/shm is faster where it is large enough).
       seed: vLLM's engine seed.
     """
@@ -188,7 +189,7 @@ class VllmPool:
         raise AssertionError("unreachable")
 
     def shutdown(self) -> None:
-        """Stops every actor (they keep no files: each HF dir is removed once vLLM has read it)."""
+        """Stops every actor (they keep no files: the start-up HF dir is removed once vLLM has read it)."""
         for a in self._actors:
             with contextlib.suppress(Exception):
                 self._ray.kill(a, no_restart=True)
@@ -212,7 +213,8 @@ class VllmPool:
         Returns:
           The new weight version (the step). Timings in seconds are in `last_update_timings`:
           "timing_s/reshard" is the wall time of this call (what the trainer waits for); the
-          slowest actor's "restore_s", "export_s" (write_hf_dir) and "reload_s" (vLLM) break it down.
+          slowest actor's "restore_s" (Orbax to host memory) and "reload_s" (vLLM's in-place load)
+          break it down.
         """
         from jaxrl_llm import weights_io
 
@@ -249,7 +251,7 @@ class VllmPool:
         except Exception:
             self.version, self.weights_dir = prev
             raise
-        timings = {k: max(t[k] for t in per_actor.values()) for k in ("restore_s", "export_s", "reload_s")}
+        timings = {k: max(t[k] for t in per_actor.values()) for k in next(iter(per_actor.values()))}
         timings["timing_s/reshard"] = time.perf_counter() - t0
         self.last_update_timings = timings
         return self.version

@@ -1,13 +1,21 @@
 """What runs inside one rollout actor of `VllmPool`: a `vllm.LLM` and its weight reloads.
 
-Weights travel as files: the actor restores the trainer's Orbax weights checkpoint
-(`weights_io.restore_weights`), writes a HF directory through the one HF name table
-(`models.write_hf_dir`) into its own scratch dir, and has vLLM reload from it in place
+Weights travel through host memory: each vLLM worker restores the trainer's Orbax weights
+checkpoint (`weights_io.restore_weights`), renames and transposes the tensors through the one HF name
+table (`models.iter_hf_tensors`) and hands them to vLLM's in-place reload as torch tensors that share
+the numpy buffers (`VllmWorkerExtension.load_orbax_weights`). No HF directory is written on an
+update. Files are still the way in when an engine starts (vLLM needs a model directory), and
+`VllmActor.load_weights(..., via_files=True)` keeps that path for updates too: the actor writes a HF
+directory (`models.write_hf_dir`) into its scratch dir and vLLM reads it back
 (`collective_rpc("reload_weights", weights_path=...)`).
 
-Two vLLM internals are reached through `VllmWorkerExtension`, which vLLM mixes into its worker
+Three vLLM internals are reached through `VllmWorkerExtension`, which vLLM mixes into its worker
 class (`worker_extension_cls`):
 
+* **In-place reload from an iterator.** The worker's `reload_weights(weights_iterator=...,
+  is_checkpoint_format=True)` runs the model's own `load_weights` on (HF name, tensor) pairs, then
+  each layer's `process_weights_after_loading` (the CPU GEMM packing included) and copies the result
+  into the existing parameter storage, as it does for a `weights_path`.
 * **Tied lm_head repack.** vLLM's CPU backend packs every linear weight for its GEMM kernel when a
   layer is loaded (`dispatch_cpu_unquantized_gemm`: a oneDNN handle or an SGL packed copy, held by
   the layer's `cpu_linear` closure). An in-place reload re-runs that packing only for layers whose
@@ -36,6 +44,8 @@ import socket
 import tempfile
 import time
 
+import numpy as np
+
 DEFAULT_ENV = {
     # Restoring the Orbax checkpoint imports jax; keep it off the actor's GPUs (vLLM owns them).
     "JAX_PLATFORMS": "cpu",
@@ -47,11 +57,57 @@ DEFAULT_ENV = {
 _EXTENSION = "jaxrl_llm.rollout.vllm_worker.VllmWorkerExtension"
 
 
+def _as_torch(arr: np.ndarray):
+    """A CPU torch tensor on `arr`'s buffer (bf16 through a uint16 view: torch reads no ml_dtypes)."""
+    import torch
+
+    arr = np.ascontiguousarray(arr)  # a no-op for iter_hf_tensors' (fresh, C-ordered) arrays
+    if arr.dtype.name == "bfloat16":
+        return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def _hf_dtype(dtype: str) -> str | None:
+    """The dtype HF tensors are cast to for an engine of `dtype` (None: keep the checkpoint's)."""
+    return dtype if dtype in ("float32", "bfloat16", "float16") else None
+
+
 class VllmWorkerExtension:
     """Methods vLLM mixes into its worker; called with `llm.collective_rpc(name, ...)`."""
 
     def _model(self):
         return self.model_runner.get_model()
+
+    def load_orbax_weights(self, weights_dir: str, step: int, dtype: str | None) -> dict:
+        """Reloads this worker's model in place from Orbax checkpoint `step`, without files.
+
+        Each worker of the engine restores the whole checkpoint into its own host memory, so
+        `weights_dir` must be readable from every worker (one host, or a shared file system), and an
+        engine of W workers reads it W times; vLLM's loaders take each worker's shard of the tensors,
+        as they do from a HF directory. Host memory peaks above the restored tree: vLLM holds the
+        tensors of a fused layer (qkv_proj, gate_up_proj) until its last piece arrives, and the HF
+        table yields row by row (every layer's q_proj, then every k_proj, ...).
+
+        Args:
+          weights_dir: the trainer's weights checkpoint directory (`weights_io.save_weights`).
+          step: the checkpoint step.
+          dtype: cast the HF tensors to this dtype ("bfloat16", ...) first, or None.
+        Returns:
+          {"restore_s": Orbax -> host numpy, "reload_s": the HF table's renames, casts and transposes,
+          and vLLM's load and re-processing}.
+        """
+        import jax
+
+        from jaxrl_llm.models.hf_io import iter_hf_tensors
+        from jaxrl_llm.weights_io import restore_weights
+
+        t0 = time.perf_counter()
+        _, params, cfg = restore_weights(weights_dir, step)
+        t1 = time.perf_counter()
+        np_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype else None
+        tensors = ((name, _as_torch(arr)) for name, arr in iter_hf_tensors(params, cfg, dtype=np_dtype))
+        self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+        return {"restore_s": t1 - t0, "reload_s": time.perf_counter() - t1}
 
     def set_logit_scale(self, scale: float) -> None:
         """Multiplies every next-token logit by `scale` (1 / temperature) before sampling."""
@@ -96,12 +152,12 @@ class VllmActor:
       model_dir: a HF directory to start from, used when `step` is None.
       weights_dir: the trainer's weights checkpoint directory (`weights_io.save_weights`).
       step: start from this checkpoint step instead of `model_dir`.
-      dtype: vLLM's weight and activation dtype; the exported HF files use it too.
+      dtype: vLLM's weight and activation dtype; HF tensors are cast to it before vLLM sees them.
       max_model_len: longest prompt + response.
       seed: vLLM's engine seed (requests carry their own seeds).
       engine_kwargs: more `vllm.LLM` arguments (max_num_seqs, kv_cache_memory_bytes, ...).
-      scratch_dir: where the actor writes HF directories, each removed once vLLM has read it
-        (default: the system temp dir).
+      scratch_dir: where the actor writes HF directories (to start, and for `via_files` loads), each
+        removed once vLLM has read it (default: the system temp dir).
     """
 
     def __init__(self, model_dir: str | None, weights_dir: str | None, step: int | None, *, dtype: str,
@@ -143,27 +199,39 @@ class VllmActor:
         step, params, cfg = restore_weights(weights_dir, step)
         t1 = time.perf_counter()
         out = tempfile.mkdtemp(prefix=f"jaxrl_vllm_step{step}_", dir=self._scratch_dir)
-        export_dtype = self._dtype if self._dtype in ("float32", "bfloat16", "float16") else None
         try:
-            write_hf_dir(params, cfg, out, dtype=export_dtype)
+            write_hf_dir(params, cfg, out, dtype=_hf_dtype(self._dtype))
         except BaseException:
             shutil.rmtree(out, ignore_errors=True)
             raise
         return out, {"restore_s": t1 - t0, "export_s": time.perf_counter() - t1}
 
-    def load_weights(self, weights_dir: str, step: int, *, repack: bool = True) -> dict:
-        """Reloads the engine in place from checkpoint `step`; returns timings in seconds."""
-        hf_dir, timings = self._export(weights_dir, step)
+    def load_weights(self, weights_dir: str, step: int, *, via_files: bool = False, repack: bool = True) -> dict:
+        """Reloads the engine in place from checkpoint `step`; returns timings in seconds.
+
+        By default every vLLM worker restores the checkpoint and loads the tensors from host memory
+        (`VllmWorkerExtension.load_orbax_weights`): "restore_s" and "reload_s" (the slowest worker's,
+        plus the repack and cache reset). With `via_files` the actor writes a HF directory and vLLM
+        reads it back, as at start: "restore_s", "export_s" (write_hf_dir) and "reload_s".
+        """
+        if via_files:
+            hf_dir, timings = self._export(weights_dir, step)
+            t0 = time.perf_counter()
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": hf_dir})
+            finally:
+                shutil.rmtree(hf_dir, ignore_errors=True)
+            timings["reload_s"] = time.perf_counter() - t0
+        else:
+            per_worker = self.llm.collective_rpc("load_orbax_weights",
+                                                 args=(weights_dir, step, _hf_dtype(self._dtype)))
+            timings = {k: max(t[k] for t in per_worker) for k in ("restore_s", "reload_s")}
         t0 = time.perf_counter()
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": hf_dir})
-        finally:
-            shutil.rmtree(hf_dir, ignore_errors=True)
         if repack:
             self.llm.collective_rpc("repack_tied_lm_head")
         # Cached prefixes hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()
-        timings["reload_s"] = time.perf_counter() - t0
+        timings["reload_s"] += time.perf_counter() - t0
         return timings
 
     def lm_head_error(self) -> float:

@@ -9,6 +9,7 @@ any model is loaded, so a bad value fails in the first second.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 
@@ -100,12 +101,18 @@ class RolloutConfig:
     val_top_p: float = 1.0
     val_top_k: int = -1
     vllm_workers: int = 1
+    # Where the trainer writes the vLLM pool's weights each step: '' is <run_dir>/weights; a directory
+    # such as /dev/shm (a RAM disk, one host) gets a subdirectory of this run, removed at the end.
+    weights_dir: str = ""
     # Token budget of one micro-batch a device in the old/reference log-prob (and value) passes; None:
     # twice actor.ppo_max_token_len_per_gpu (a forward pass keeps no activations for a backward one).
     log_prob_max_token_len_per_gpu: int | None = None
 
     def validate(self):
         _check(self.engine in ("jax", "vllm"), "rollout.engine", f"{self.engine!r}; use 'jax' or 'vllm'")
+        _check(not self.weights_dir or os.path.isdir(self.weights_dir), "rollout.weights_dir",
+               f"{self.weights_dir!r} is not a directory; give an existing one ('/dev/shm' on one host, a shared "
+               "file system across hosts) or '' for <run_dir>/weights")
         _check(self.decode_attention in ("xla", "pallas"), "rollout.decode_attention",
                f"{self.decode_attention!r}; use 'xla' or 'pallas'")
         _check(isinstance(self.n, int) and self.n >= 1, "rollout.n", f"n={self.n}; need n >= 1")

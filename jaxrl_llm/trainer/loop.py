@@ -16,9 +16,11 @@ only process 0 logs and writes the run's own files (`jaxrl_llm.distributed`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
+import shutil
 import time
 
 import numpy as np
@@ -160,7 +162,7 @@ class RLTrainer:
         from jaxrl_llm.rollout import VllmPool
         from jaxrl_llm.trainer.roles import init_ray
 
-        self.weights_dir = os.path.join(self.run_dir, "weights")
+        self.weights_dir = self._weights_dir()
         self.worker.call("save_weights", self.weights_dir, self.global_step)  # every process writes its shards
         if not self.main:
             return None
@@ -170,6 +172,22 @@ class RLTrainer:
                         weights_dir=self.weights_dir, max_prompt_length=d.max_prompt_length,
                         max_model_len=d.max_prompt_length + d.max_response_length, dtype=self.run.model.dtype,
                         seed=d.seed)
+
+    def _weights_dir(self) -> str:
+        """The pool's weights checkpoint dir: <run_dir>/weights, or this run's own subdirectory of
+        `rollout.weights_dir` (named by the run dir, so every process of the run finds the same one)."""
+        root = self.run.rollout.weights_dir
+        if not root:
+            return os.path.join(self.run_dir, "weights")
+        tag = hashlib.sha1(os.path.abspath(self.run_dir).encode()).hexdigest()[:12]
+        return os.path.join(root, f"jaxrl_llm_weights_{tag}")
+
+    def _remove_weights_dir(self) -> None:
+        """Drops the pool's weights at the end of a run when they live outside the run dir (a RAM disk
+        keeps two steps of weights in host memory otherwise)."""
+        d = getattr(self, "weights_dir", None)
+        if self.main and d and self.run.rollout.weights_dir and os.path.isdir(d):
+            shutil.rmtree(d, ignore_errors=True)
 
     def generate(self, prompts: list[dict], sampling: SamplingParams) -> RolloutBatch:
         ids = [p["prompt_ids"] for p in prompts]
@@ -411,4 +429,5 @@ class RLTrainer:
             self.rewards.close()
             if self.pool is not None:
                 self.pool.shutdown()
+            self._remove_weights_dir()
         return last

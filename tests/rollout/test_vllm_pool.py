@@ -1,5 +1,6 @@
-"""The vLLM pool on real Ray actors: weight updates from the trainer's Orbax checkpoint, equality
-with the JAX engine and transformers, logprob semantics, the tied-lm_head repack, actor loss.
+"""The vLLM pool on real Ray actors: weight updates from the trainer's Orbax checkpoint (in memory,
+and through a HF directory), equality with the JAX engine and transformers, logprob semantics, the
+tied-lm_head repack, actor loss.
 
 One Ray session and four vLLM engines (an untied Qwen2 pool of two actors, a tied Qwen2 pool of one,
 a tied Qwen3 pool of one) serve the whole module; killing an actor starts a fifth.
@@ -182,7 +183,7 @@ def test_greedy_after_two_updates_equals_jax_and_transformers(which, request):
     hf = _hf_greedy(s["hf_dir"], PROMPTS, GREEDY.max_new_tokens)
     assert [got.response_ids(i) for i in range(len(PROMPTS))] == hf
     timings = pool.last_update_timings
-    assert set(timings) == {"timing_s/reshard", "restore_s", "export_s", "reload_s"}
+    assert set(timings) == {"timing_s/reshard", "restore_s", "reload_s"}  # in memory: no export
     assert 0 < timings["reload_s"] <= timings["timing_s/reshard"]
 
 
@@ -198,6 +199,55 @@ def test_tied_lm_head_is_stale_without_the_repack(tied, ray_session):
     assert ray_session.get(actor.lm_head_error.remote()) < 1e-4
     np.testing.assert_array_equal(pool.generate(PROMPTS, GREEDY).tokens,
                                   tied["engine"].generate(PROMPTS, GREEDY).tokens)
+
+
+@needs_vllm
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_in_memory_load_equals_the_file_load(which, request, ray_session):
+    """One checkpoint loaded from host memory and from a HF directory: the same tokens and logprobs.
+
+    Step 1 is loaded (from files) in between, so a tensor that the in-memory load skipped, or did not
+    re-pack for the CPU GEMM, would still hold step 1 and change the outputs.
+    """
+    pool = request.getfixturevalue(which)["pool"]
+    sampled = SamplingParams(n=2, temperature=0.7, top_k=20, max_new_tokens=12, seed=5)
+
+    def load_and_generate(step, via_files):
+        timings = ray_session.get([a.load_weights.remote(pool.weights_dir, step, via_files=via_files)
+                                   for a in pool.actors])
+        keys = {"restore_s", "export_s", "reload_s"} if via_files else {"restore_s", "reload_s"}
+        assert all(set(t) == keys and t["reload_s"] > 0 for t in timings)
+        assert max(ray_session.get([a.lm_head_error.remote() for a in pool.actors])) < 1e-4
+        return pool.generate(PROMPTS, GREEDY), pool.generate(PROMPTS, sampled)
+
+    try:
+        files = load_and_generate(2, via_files=True)
+        step1 = load_and_generate(1, via_files=True)
+        memory = load_and_generate(2, via_files=False)
+    finally:  # the later tests expect step 2
+        ray_session.get([a.load_weights.remote(pool.weights_dir, 2) for a in pool.actors])
+    assert np.abs(step1[0].logprobs - files[0].logprobs).max() > 1e-3
+    for got, want in zip(memory, files):
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.logprobs, want.logprobs)
+        assert got.finish_reasons == want.finish_reasons
+
+
+def test_numpy_to_torch_shares_the_buffer():
+    """bf16 (ml_dtypes), fp16 and fp32 numpy arrays reach vLLM as torch tensors without a copy."""
+    import ml_dtypes
+
+    from jaxrl_llm.rollout.vllm_worker import _as_torch
+
+    x = np.arange(-6, 6, dtype=np.float32).reshape(3, 4) / 7  # [3, 4], not exact in bf16 or fp16
+    for np_dtype, torch_dtype in ((ml_dtypes.bfloat16, torch.bfloat16), (np.float16, torch.float16),
+                                  (np.float32, torch.float32)):
+        a = x.astype(np_dtype)
+        t = _as_torch(a)
+        assert t.dtype == torch_dtype and tuple(t.shape) == a.shape
+        assert t.data_ptr() == a.ctypes.data
+        np.testing.assert_array_equal(t.float().numpy(), a.astype(np.float32))
+    np.testing.assert_array_equal(_as_torch(x.T).numpy(), x.T)  # a transposed view: copied, C-ordered
 
 
 @needs_vllm

@@ -77,8 +77,16 @@ def test_vllm_engine_loop_survives_a_killed_actor(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM and os.environ.get("JAXRL_REQUIRE_VLLM") != "1", reason="vllm is not installed")
 def test_ppo_with_vllm_engine_under_ray(tmp_path):
+    """PPO with the pool's weights in a directory of their own (`rollout.weights_dir`, as /dev/shm would
+    be): nothing under the run dir, and this run's subdirectory removed at the end."""
+    ram = tmp_path / "ram"
+    ram.mkdir()
     run = runs.run_config("rollout.engine='vllm'", "train.driver='ray'", VLLM_MODEL, "algorithm.adv_estimator='gae'",
-                          "critic.lr=1e-3", "rollout.n=1", steps=2, run_dir=tmp_path / "ppo_vllm")
-    last = RLTrainer(run).fit()
+                          "critic.lr=1e-3", "rollout.n=1", f"rollout.weights_dir='{ram}'", steps=2,
+                          run_dir=tmp_path / "ppo_vllm")
+    trainer = RLTrainer(run)
+    assert trainer.weights_dir.startswith(str(ram)) and os.listdir(trainer.weights_dir) == ["0"]
+    last = trainer.fit()
     _check_step_metrics(last, critic=True)
-    assert last["timing_s/reshard"] > 0 and os.path.isdir(tmp_path / "ppo_vllm" / "weights")
+    assert last["timing_s/reshard"] > 0
+    assert not os.path.exists(tmp_path / "ppo_vllm" / "weights") and os.listdir(ram) == []
