@@ -228,7 +228,7 @@ def rollout(presets, batches, small: bool, new_tokens: int = 232):
 
 def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat: str, fsdp: int = -1, tensor: int = 1,
              max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run",
-             max_batch: int = 4096):
+             max_batch: int = 4096, decode_attention: str = "auto"):
     from jaxrl_llm.trainer import config as C
 
     d = data_dir()
@@ -239,7 +239,7 @@ def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat
                             overrides={"vocab_size": 151936} if small else None),
         data=C.DataConfig(source="files", train_files=(os.path.join(d, "gsm8k_test.jsonl"),),
                           train_batch_size=prompts, max_prompt_length=max_prompt, max_response_length=max_response),
-        rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=max_batch),
+        rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=max_batch, decode_attention=decode_attention),
         actor=C.ActorConfig(lr=1e-6, ppo_mini_batch_size=mini, ppo_max_token_len_per_gpu=budget, use_kl_loss=True,
                             kl_loss_coef=0.001, kl_loss_type="low_var_kl"),
         critic=C.CriticConfig(), algo=C.AlgoConfig(adv_estimator="grpo"), reward=C.RewardConfig(),
@@ -340,7 +340,7 @@ def train(presets, small: bool, remat_list):
 
 
 def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, remat: str = "full",
-        budget: int = 32768):
+        budget: int = 32768, decode_attention: str = "auto"):
     from jaxrl_llm.trainer.loop import RLTrainer
 
     for preset in presets:
@@ -350,7 +350,7 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
         run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else budget,
                        remat=remat, small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
                        run_dir=tempfile.mkdtemp(), fsdp=fsdp, tensor=tensor,
-                       max_batch=4096 * n_dev)
+                       max_batch=4096 * n_dev, decode_attention=decode_attention)
         t_init = time.perf_counter()
         trainer = RLTrainer(run)
         if jax.process_index() == 0:
@@ -390,13 +390,33 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
                 "response_length/mean", "response_length/max", "prompt_length/mean", "actor/grad_norm", "actor/pg_loss",
                 "actor/kl_loss", "actor/entropy", "critic/score/mean")}
             mesh = "x".join(f"{k}{v}" for k, v in trainer.worker.obj.mesh.shape.items() if v > 1) or "1"
-            emit(section="e2e", preset=preset, mesh=mesh, remat=remat, step=step, devices=n_dev,
+            emit(section="e2e", preset=preset, mesh=mesh, remat=remat, decode_attention=decode_attention, step=step,
+                 devices=n_dev,
                  processes=jax.process_count(), wall_s=wall, compile_s=compile_s[0], prompts=n_prompts, n=n,
                  budget=budget, **keep)
         jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
-def sync(presets, small: bool):
+def _orbax_defaults_round_trip(directory: str, params) -> tuple[float, float]:
+    """The weights path before issue 13: Orbax's StandardCheckpointHandler defaults (zstd) and a
+    restore to jax CPU arrays then numpy; (save s, restore s)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(directory, "std")
+    ck = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    t0 = time.perf_counter()
+    ck.save(path, args=ocp.args.StandardSave(params))
+    t_save = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), params)
+    out = jax.tree.map(np.asarray, ck.restore(path, args=ocp.args.StandardRestore(target)))
+    t_restore = time.perf_counter() - t0
+    del out
+    return t_save, t_restore
+
+
+def sync(presets, small: bool, dirs=("/tmp",)):
     from jaxrl_llm.rollout import JaxEngine
     from jaxrl_llm.weights_io import restore_weights, save_weights
 
@@ -408,19 +428,37 @@ def sync(presets, small: bool):
         dt = timeit(lambda e=eng, p=params: e.update_weights(p) and e.params, iters=3)
         emit(section="sync", preset=preset, what="trainer->engine (fp32 -> bf16 engine layout, in device memory)",
              seconds=dt)
-        d = tempfile.mkdtemp(dir="/tmp")
+        eng = None
         bf = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-        t0 = time.perf_counter()
-        save_weights(d, 1, bf, cfg)
-        t_save = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        restore_weights(d, 1)
-        t_restore = time.perf_counter() - t0
+        params = None
         size = sum(x.nbytes for x in jax.tree.leaves(bf)) / 1e9
-        emit(section="sync", preset=preset, what="orbax weights save/restore (bf16, host restore)", gb=size,
-             save_s=t_save, restore_s=t_restore)
-        subprocess.run(["rm", "-rf", d], check=False)
-        params = bf = eng = None
+        for root in dirs:
+            if not os.path.isdir(root):
+                emit(section="sync", preset=preset, dir=root, error="no such directory")
+                continue
+            st = os.statvfs(root)
+            free_gb = st.f_bavail * st.f_frsize / 1e9
+            if free_gb < 2.5 * size:  # both formats at once, and a margin
+                emit(section="sync", preset=preset, dir=root, error=f"{free_gb:.1f} GB free")
+                continue
+            d = tempfile.mkdtemp(dir=root)
+            try:
+                t_save, t_restore = _orbax_defaults_round_trip(d, bf)
+                emit(section="sync", preset=preset, dir=root, what="orbax defaults (zstd), restore to jax CPU arrays",
+                     gb=size, save_s=t_save, restore_s=t_restore, total_s=t_save + t_restore)
+                for rep in range(2):
+                    t0 = time.perf_counter()
+                    save_weights(d, 1 + rep, bf, cfg)
+                    t_save = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    restore_weights(d, 1 + rep)
+                    t_restore = time.perf_counter() - t0
+                    emit(section="sync", preset=preset, dir=root, rep=rep,
+                         what="weights_io (uncompressed), restore to numpy", gb=size, save_s=t_save,
+                         restore_s=t_restore, total_s=t_save + t_restore)
+            finally:
+                subprocess.run(["rm", "-rf", d], check=False)
+        bf = None
 
 
 def torch_rows(torch_dir: str | None):
@@ -479,6 +517,8 @@ def main() -> None:
     ap.add_argument("--tensor", type=int, default=1, help="e2e mesh: tensor-parallel size")
     ap.add_argument("--steps", type=int, default=3, help="e2e steps")
     ap.add_argument("--append", default=None, help="also append the markdown table to this file (BENCHMARKS.md)")
+    ap.add_argument("--decode_attention", default="auto", help="e2e: rollout.decode_attention (auto, xla or pallas)")
+    ap.add_argument("--sync_dirs", default="/tmp", help="sync: where the weights checkpoint goes (e.g. /tmp,/dev/shm)")
     ap.add_argument("--compile_cache", default="", help="JAX persistent compilation cache dir ('' = off)")
     args = ap.parse_args()
     from jaxrl_llm import distributed
@@ -523,8 +563,8 @@ def main() -> None:
     run("rollout", rollout, presets, batches, args.small)
     run("train", train, train_presets, args.small, args.remat.split(","))
     run("e2e", e2e, train_presets, args.small, args.steps, args.fsdp, args.tensor, args.remat.split(",")[0],
-        args.token_budget)
-    run("sync", sync, presets, args.small)
+        args.token_budget, args.decode_attention)
+    run("sync", sync, presets, args.small, args.sync_dirs.split(","))
     if not main_process:
         return
     with open(os.path.join(args.out, "bench.md"), "w") as f:

@@ -139,9 +139,10 @@ def summarize_trace(trace_dir: str, top: int = 30, section: str = "profile"):
 
 
 def seed_generation(cfg, schedules: list[str], prompts_per_gpu: int = 128, n: int = 5, repeats: int = 3,
-                    do_profile: bool = True):
+                    do_profile: bool = True, attentions: tuple[str, ...] = ("xla",)):
     """The seed step's generation on one GPU, per decode schedule ("every<K>": look for finished
-    rows to drop every K steps; "every0": only when the cache grows)."""
+    rows to drop every K steps; "every0": only when the cache grows) and decode attention ("xla", or
+    "pallas": the ragged kernel)."""
     from jaxrl_llm.models import init_params
     from jaxrl_llm.rollout import JaxEngine, SamplingParams
     from scripts.bench_common import gsm8k_prompts, seed_response_lengths
@@ -157,9 +158,9 @@ def seed_generation(cfg, schedules: list[str], prompts_per_gpu: int = 128, n: in
     # Each repeat takes the next prompts (as each training step does), so its longest prompt differs.
     pool = gsm8k_prompts(prompts_per_gpu * (repeats + 1))
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=1024, ignore_eos=True)
-    for sched in schedules:
+    for sched, attn in [(s, a) for s in schedules for a in attentions]:
         eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=4096, max_prompt_length=512,
-                        compact_every=int(sched.removeprefix("every")))
+                        compact_every=int(sched.removeprefix("every")), decode_attention=attn)
         eng.trace = True
         for rep in range(repeats + 1):
             prompts = pool[rep * prompts_per_gpu:(rep + 1) * prompts_per_gpu]
@@ -171,7 +172,7 @@ def seed_generation(cfg, schedules: list[str], prompts_per_gpu: int = 128, n: in
             assert np.array_equal(out.lengths, lens)
             decode = [r for r in eng.last_trace if r["phase"] == "decode"]
             row_steps = sum(r["rows"] * (r["t1"] - r["t0"]) for r in decode)
-            emit(section="seed_gen", schedule=sched, rep=rep, compile_s=compile_s[0], seconds=dt,
+            emit(section="seed_gen", schedule=sched, attention=attn, rep=rep, compile_s=compile_s[0], seconds=dt,
                  tokens=int(lens.sum()), tokens_per_s=float(lens.sum() / dt), row_steps=row_steps,
                  row_step_efficiency=float(lens.sum() / row_steps),
                  by_phase={ph: round(sum(r["seconds"] for r in eng.last_trace if r["phase"] == ph), 3)
@@ -179,8 +180,8 @@ def seed_generation(cfg, schedules: list[str], prompts_per_gpu: int = 128, n: in
             if rep == repeats:
                 for r in eng.last_trace:
                     ms = r["seconds"] / max(1, r.get("t1", 1) - r.get("t0", 0)) * 1e3
-                    emit(section="seed_gen_trace", schedule=sched, ms_per_step=ms, **r)
-        if do_profile and sched == schedules[0]:
+                    emit(section="seed_gen_trace", schedule=sched, attention=attn, ms_per_step=ms, **r)
+        if do_profile and sched == schedules[0] and attn == attentions[0]:
             eng.trace = False
             trace_dir = os.path.join("/tmp", "trace_seed")
             jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
@@ -219,6 +220,7 @@ def main():
     ap.add_argument("--schedules", default="every0,every64", help="seed: decode schedules to compare")
     ap.add_argument("--no_profile", action="store_true", help="seed: skip the kernel profile")
     ap.add_argument("--seed_prompts", type=int, default=128, help="seed: prompts (x 5 responses)")
+    ap.add_argument("--attentions", default="xla", help="seed: decode attentions to compare (xla,pallas)")
     args = ap.parse_args()
     global OUT_FILE
     os.makedirs(args.out, exist_ok=True)
@@ -236,7 +238,7 @@ def main():
         profile(cfg, args.batch, args.out)
     if "seed" in s:
         seed_generation(cfg, args.schedules.split(","), prompts_per_gpu=args.seed_prompts,
-                        do_profile=not args.no_profile)
+                        do_profile=not args.no_profile, attentions=tuple(args.attentions.split(",")))
 
 
 if __name__ == "__main__":

@@ -325,6 +325,9 @@ def binding_case(binding: str, *needles: str):
     binding_case("rollout.n = '4'", "rollout.n", "'4'", "str"),
     binding_case("train.total_epochs = [", "train.total_epochs"),
     binding_case("train.logger = ('jsonl', 'tensorbord')", "train.logger", "'tensorbord'"),
+    binding_case("rollout.weights_dir = '/no/such/ram/disk'", "rollout.weights_dir", "'/no/such/ram/disk'",
+                 "not a directory"),
+    binding_case("rollout.decode_attention = 'triton'", "rollout.decode_attention", "'triton'", "'auto'"),
 ])
 def test_bad_binding(binding, needles, tmp_path, capsys, no_model_load):
     res = run_main(tiny_args(tmp_path / "run", binding), capsys)

@@ -93,9 +93,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_batch_size: int = 1024  # response rows decoded together (JAX engine)
-    # JAX engine's decode attention: "xla" (every cache slot) or "pallas" (a kernel that reads only each
-    # row's valid slots; kernels/decode_attention.py)
-    decode_attention: str = "xla"
+    # JAX engine's decode attention: "xla" (every cache slot), "pallas" (a kernel that reads only each
+    # row's valid slots; kernels/decode_attention.py), "auto" (the kernel on GPUs, XLA elsewhere)
+    decode_attention: str = "auto"
     val_temperature: float = 0.0  # validation is greedy (mean@1) unless val_n > 1
     val_n: int = 1  # responses a validation prompt (veRL's val_kwargs.n): mean@N, best@N, pass@k
     val_top_p: float = 1.0
@@ -113,8 +113,8 @@ class RolloutConfig:
         _check(not self.weights_dir or os.path.isdir(self.weights_dir), "rollout.weights_dir",
                f"{self.weights_dir!r} is not a directory; give an existing one ('/dev/shm' on one host, a shared "
                "file system across hosts) or '' for <run_dir>/weights")
-        _check(self.decode_attention in ("xla", "pallas"), "rollout.decode_attention",
-               f"{self.decode_attention!r}; use 'xla' or 'pallas'")
+        _check(self.decode_attention in ("auto", "xla", "pallas"), "rollout.decode_attention",
+               f"{self.decode_attention!r}; use 'auto', 'xla' or 'pallas'")
         _check(isinstance(self.n, int) and self.n >= 1, "rollout.n", f"n={self.n}; need n >= 1")
         _check(0.0 < self.top_p <= 1.0, "rollout.top_p", f"{self.top_p} is not in (0, 1]")
         _check(self.temperature > 0.0, "rollout.temperature", "training rollouts need temperature > 0")

@@ -165,3 +165,23 @@ def test_grpo_step_with_the_kernel_equals_xla(tmp_path):
     assert want
     for k, v in want.items():
         np.testing.assert_allclose(metrics["pallas"][k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_auto_picks_the_kernel_on_gpus_where_its_shapes_allow(monkeypatch, model):
+    """'auto' is XLA off GPU; on a GPU the kernel unless the cache blocks or the head dim rule it out,
+    where an explicit 'pallas' fails at build time with what to change."""
+    from jaxrl_llm.rollout.jax_engine import _resolve_decode_attention as resolve
+
+    cfg = model.cfg
+    assert resolve("auto", cfg, 32, 128) == "xla"  # CPU
+    assert resolve("pallas", cfg, 8, 4) == "pallas"  # interpret mode off GPU takes any shape
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    big = cfg.replace(head_dim=128)
+    assert resolve("auto", big, 32, 128) == "pallas"
+    assert resolve("xla", big, 32, 128) == "xla"
+    assert resolve("auto", big, 32, 8) == "xla"
+    assert resolve("auto", cfg.replace(head_dim=96), 32, 128) == "xla"
+    with pytest.raises(ValueError, match=r"gen_bucket \(8\) multiples of 16.*'auto'"):
+        resolve("pallas", big, 32, 8)
+    with pytest.raises(ValueError, match="power-of-two head dim >= 16 \\(the model's is 96\\)"):
+        resolve("pallas", cfg.replace(head_dim=96), 32, 128)

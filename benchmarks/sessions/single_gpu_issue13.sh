@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 13 on one GPU, in calls of under 10 minutes each (the device tool's limit). Run from the repo
+# root on the GPU machine with .whl and .bench_data carried; results land in $OUT.
+#   decode_sync  the seed-shaped 7B generation with XLA's and the Pallas decode attention, then the
+#                7B weights checkpoint (Orbax defaults against weights_io) in /tmp and /dev/shm
+#   e2e          the 1.5B seed-shaped GRPO step, 3 steps with an empty compilation cache (XLA
+#                attention), then 3 with the Pallas decode attention and the cache the first filled
+#   e2e_warm     the 1.5B step with an empty cache, then the identical run again (cold and warm)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi -L | tee "$OUT/gpus.txt"
+df -h /tmp /dev/shm | tee -a "$OUT/gpus.txt"
+run() {  # name, timeout, command...
+  local name=$1 t=$2; shift 2
+  echo "=== $name"
+  timeout "$t" "$@" --out "/tmp/out_$name" > "$OUT/$name.log" 2>&1
+  echo "rc=$?"; grep -E '^  \[|RLTrainer built|"(e2e|sync|seed_gen)"|Error' "$OUT/$name.log" | cut -c1-420
+  cp "/tmp/out_$name/bench.json" "$OUT/$name.json" 2>/dev/null
+  cp "/tmp/out_$name/decode.jsonl" "$OUT/$name.jsonl" 2>/dev/null
+}
+E2E="--sections e2e --train_presets qwen2p5_1p5b --remat auto --token_budget 16384 --steps 3"
+case "${1:?phase}" in
+  decode_sync)
+    run seed_gen_7b "${T1:-300}" python3 scripts/bench_decode.py --preset qwen2p5_7b --sections seed \
+      --schedules every64 --attentions xla,pallas --no_profile
+    run sync_7b "${T2:-240}" python3 scripts/bench.py --sections sync --presets qwen2p5_7b --sync_dirs /tmp,/dev/shm
+    ;;
+  e2e)
+    run e2e_xla_cold "${T1:-280}" python3 scripts/bench.py $E2E --compile_cache /tmp/cc
+    run e2e_pallas "${T2:-250}" python3 scripts/bench.py $E2E --compile_cache /tmp/cc --decode_attention pallas
+    ;;
+  e2e_warm)
+    rm -rf /tmp/cc_w
+    run e2e_cold "${T1:-280}" python3 scripts/bench.py $E2E --compile_cache /tmp/cc_w
+    run e2e_warm "${T2:-250}" python3 scripts/bench.py $E2E --compile_cache /tmp/cc_w
+    ;;
+esac
