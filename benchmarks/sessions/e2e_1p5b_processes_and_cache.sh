@@ -2,19 +2,9 @@
 # Qwen2.5-1.5B seed-shaped GRPO steps on all GPUs of the machine: one process with a cold compilation
 # cache, the same in one process per GPU (metrics must match), then one process again with the warm
 # cache (its first step should compile almost nothing). Results (JSON rows and logs) land in $OUT.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source "$(dirname "$0")/common.sh"
 N=$(nvidia-smi -L | wc -l)
 ARGS="--sections e2e --train_presets ${PRESET:-qwen2p5_1p5b} --remat auto --token_budget 16384 --compile_cache /tmp/cc"
-run() {  # name, timeout, command...
-  local name=$1 t=$2; shift 2
-  echo "=== $name"
-  timeout "$t" "$@" --out "/tmp/out_$name" > "$OUT/$name.log" 2>&1
-  echo "rc=$?"; grep -E '^  \[|RLTrainer built|"e2e"|Error' "$OUT/$name.log" | cut -c1-400
-  cp "/tmp/out_$name/bench.json" "$OUT/$name.json" 2>/dev/null
-}
 run single_cold "${T1:-200}" python3 scripts/bench.py $ARGS --steps 3
 run multi "${T2:-200}" python3 -m jaxrl_llm.launch --num_processes "$N" --gpus_per_process 1 --module scripts.bench -- $ARGS --steps 3
 run single_warm "${T3:-110}" python3 scripts/bench.py $ARGS --steps 2

@@ -6,20 +6,9 @@
 #   e2e          the 1.5B seed-shaped GRPO step, 3 steps with an empty compilation cache (XLA
 #                attention), then 3 with the Pallas decode attention and the cache the first filled
 #   e2e_warm     the 1.5B step with an empty cache, then the identical run again (cold and warm)
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source "$(dirname "$0")/common.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 df -h /tmp /dev/shm | tee -a "$OUT/gpus.txt"
-run() {  # name, timeout, command...
-  local name=$1 t=$2; shift 2
-  echo "=== $name"
-  timeout "$t" "$@" --out "/tmp/out_$name" > "$OUT/$name.log" 2>&1
-  echo "rc=$?"; grep -E '^  \[|RLTrainer built|"(e2e|sync|seed_gen)"|Error' "$OUT/$name.log" | cut -c1-420
-  cp "/tmp/out_$name/bench.json" "$OUT/$name.json" 2>/dev/null
-  cp "/tmp/out_$name/decode.jsonl" "$OUT/$name.jsonl" 2>/dev/null
-}
 E2E="--sections e2e --train_presets qwen2p5_1p5b --remat auto --token_budget 16384 --steps 3"
 case "${1:?phase}" in
   decode_sync)

@@ -1,0 +1,16 @@
+# Sourced by the session scripts: installs the carried wheels (gin, tensorboardX) and defines
+# run NAME TIMEOUT COMMAND...: runs COMMAND with `--out /tmp/out_NAME`, logs to $OUT/NAME.log, prints
+# its progress and result rows, and copies its JSON results to $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+run() {
+  local name=$1 t=$2; shift 2
+  echo "=== $name"
+  timeout "$t" "$@" --out "/tmp/out_$name" > "$OUT/$name.log" 2>&1
+  echo "rc=$?"; grep -E '^  \[|RLTrainer built|"(e2e|sync|seed_gen)"|Error' "$OUT/$name.log" | cut -c1-420
+  cp "/tmp/out_$name/bench.json" "$OUT/$name.json" 2>/dev/null
+  cp "/tmp/out_$name/decode.jsonl" "$OUT/$name.jsonl" 2>/dev/null
+  return 0
+}
