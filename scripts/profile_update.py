@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 
@@ -42,6 +43,7 @@ def kind_of(name: str) -> str:
 
 def profile(fn, label: str, top: int):
     trace_dir = os.path.join("/tmp", f"trace_{label}")
+    shutil.rmtree(trace_dir, ignore_errors=True)  # an earlier run's trace would be read instead
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     t0 = time.perf_counter()
     fn()
@@ -90,13 +92,15 @@ def main():
     batch.fields["ref_log_prob"] = lp["old_log_prob"]
     worker.update_actor(batch, 0)  # compile
     t0 = time.perf_counter()
-    worker.update_actor(batch, 1)
+    metrics = worker.update_actor(batch, 1)
     jax.block_until_ready(worker.actor_state["params"])
     t_up = time.perf_counter() - t0
     seqlens = batch.prompt_lengths + batch.response_lengths
     flops = veRL_flops(worker.cfg, seqlens)
     recording_emit(section="update", preset=preset, remat=worker.cfg.remat, budget=run.actor.ppo_max_token_len_per_gpu,
                    tokens=int(seqlens.sum()), seconds=t_up, mfu_989=flops / t_up / 1e12 / 989.0,
+                   grad_norm=metrics["actor/grad_norm"], peak_gb=(jax.devices()[0].memory_stats() or {}).get(
+                       "peak_bytes_in_use", 0) / 1e9,
                    pack_rows=worker.pack.rows, pack_length=worker.pack.length)
 
     def update():

@@ -218,9 +218,17 @@ class DecoderLayer(nnx.Module):
         return x, aux
 
 
+def _dots_and_attention_saveable(prim, *args, **params) -> bool:
+    """Matmul outputs without batch dims (`dots_with_no_batch_dims_saveable`) and the outputs of cuDNN's
+    attention forward (its output and softmax statistics): the backward pass then runs no forward
+    attention again. XLA's attention is made of batched dots, which this saves as before: nothing."""
+    return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+            or prim.name.startswith("dot_product_attention_fwd"))
+
+
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": _dots_and_attention_saveable,
 }
 
 

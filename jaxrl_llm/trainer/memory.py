@@ -9,7 +9,8 @@ with a margin, else "full". The estimate counts, per device:
   reference  compute-dtype params (2 bytes a param), sharded, unless offloaded to the host
   critic     like the actor (PPO)
   engine     the sampler's compute-dtype weights, split over `tensor` only
-  saved      per token and layer: the layer input ("full"), or every matmul output ("dots")
+  saved      per token and layer: the layer input ("full"), or every matmul output and the attention's
+             output and statistics ("dots")
   working    one layer's recomputed activations and the vocab-chunked log-prob's [tokens, chunk] logits
 """
 
@@ -34,8 +35,9 @@ def saved_bytes_per_token(cfg: Qwen2Config, remat: str, act_bytes: int = 2) -> i
     d, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     if remat == "full":
         per_layer = d
-    else:  # "dots" (and "none", which keeps at least as much)
-        per_layer = cfg.q_dim + 2 * cfg.kv_dim + d + 2 * f + d
+    else:  # "dots" (and "none", which keeps at least as much): the matmul outputs, the attention's
+        # output and its fp32 softmax statistics (one a head)
+        per_layer = cfg.q_dim + 2 * cfg.kv_dim + d + 2 * f + d + cfg.q_dim + 2 * cfg.num_attention_heads
     return per_layer * layers * act_bytes
 
 

@@ -1,0 +1,62 @@
+"""Remat policies change what the backward pass keeps, never its values; `auto` picks by memory."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_llm.models import PRESETS, init_model
+from jaxrl_llm.models.qwen2 import _REMAT_POLICIES
+from jaxrl_llm.trainer.memory import choose_remat, estimate_step_bytes
+
+
+def _grads(remat: str):
+    cfg = PRESETS["tiny"](dtype="float32", param_dtype="float32", remat=remat)
+    model = init_model(cfg, seed=2)
+    graphdef, params = nnx.split(model)
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, size=(2, 12)), jnp.int32)
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p)(ids)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * jnp.arange(12.0))
+
+    return jax.jit(jax.grad(loss))(params)
+
+
+def test_every_policy_gives_the_same_gradients():
+    ref = _grads("none")
+    for remat in ("full", "dots"):
+        got = _grads(remat)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, ref)
+
+
+def test_dots_saves_batch_free_matmuls_and_cudnn_attention_forward_only():
+    dots = _REMAT_POLICIES["dots"]
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    plain = dict(dimension_numbers=(((1,), (0,)), ((), ())), precision=None, preferred_element_type=None)
+    batched = dict(dimension_numbers=(((2,), (1,)), ((0,), (0,))), precision=None, preferred_element_type=None)
+    assert dots(jax.lax.dot_general_p, x, x, **plain)
+    assert not dots(jax.lax.dot_general_p, x, x, **batched)  # XLA attention's scores: recomputed
+    assert dots(types.SimpleNamespace(name="dot_product_attention_fwd_wrapper"))
+    assert not dots(types.SimpleNamespace(name="dot_product_attention_bwd_wrapper"))
+    assert not dots(jax.lax.exp_p, x)
+    assert not _REMAT_POLICIES["full"](jax.lax.dot_general_p, x, x, **plain)
+
+
+def test_auto_takes_dots_where_the_estimate_fits():
+    c15, c7 = PRESETS["qwen2p5_1p5b"](), PRESETS["qwen2p5_7b"]()
+    h200 = int(139e9 * 0.92)  # XLA's share of an H200 under the trainer's memory fraction
+    assert choose_remat(c15, tokens_per_device=16384, param_shards=1, device_bytes=h200) == "dots"
+    assert choose_remat(c7, tokens_per_device=16384, param_shards=4, device_bytes=h200) == "dots"
+    assert choose_remat(c7, tokens_per_device=32768, param_shards=4, device_bytes=h200) == "full"
+    assert choose_remat(c7, tokens_per_device=16384, param_shards=1, device_bytes=h200) == "full"
+    assert choose_remat(c15, tokens_per_device=16384, param_shards=1, device_bytes=None) == "full"
+    full = estimate_step_bytes(c7, remat="full", tokens_per_device=16384, param_shards=4)
+    dots = estimate_step_bytes(c7, remat="dots", tokens_per_device=16384, param_shards=4)
+    # per layer, in bf16 values: q and the attention output, k and v, o_proj's and down's outputs less
+    # the layer input "full" keeps, gate and up, fp32 softmax statistics (28 heads)
+    per_layer = 2 * 3584 + 2 * 512 + (2 * 3584 - 3584) + 2 * 18944 + 2 * 28
+    assert dots - full == pytest.approx(16384 * 28 * 2 * per_layer, rel=1e-9)
