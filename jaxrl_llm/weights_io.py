@@ -58,5 +58,4 @@ def restore_weights(directory: str, step: int | None = None) -> tuple[int, dict,
         numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
         restored = mngr.restore(step, args=ocp.args.Composite(
             params=ocp.args.PyTreeRestore(restore_args=numpy), model=ocp.args.JsonRestore()))
-    params = jax.tree.map(np.asarray, restored["params"])
-    return step, params, DecoderConfig.from_hf(dict(restored["model"]))
+    return step, restored["params"], DecoderConfig.from_hf(dict(restored["model"]))

@@ -112,8 +112,8 @@ def sampling(cfg, batch):
     emit(section="sampling", what="lm_head_matmul", batch=batch, us=dt * 1e6, tb_s=lmh.nbytes / dt / 1e12)
 
 
-def summarize_trace(trace_dir: str, top: int = 30, section: str = "profile"):
-    """Top GPU kernels by time in the perfetto trace under `trace_dir`."""
+def summarize_trace(trace_dir: str, top: int = 30, section: str = "profile") -> list[dict]:
+    """Top GPU kernels by time in the perfetto trace under `trace_dir`; emits and returns their rows."""
     files = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
     with gzip.open(files[0]) as f:
         trace = json.load(f)
@@ -134,8 +134,11 @@ def summarize_trace(trace_dir: str, top: int = 30, section: str = "profile"):
     busy = sum(totals.values())
     emit(section=section, gpu_pids=[pids[p] for p in gpu_pids], kernel_busy_ms=busy / 1e3,
          span_ms=(span[1] - span[0]) / 1e3, kernels=sum(count.values()))
-    for name, tot in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
-        emit(section=section + "_kernel", name=name, total_ms=tot / 1e3, calls=count[name], share=tot / busy)
+    rows = [dict(section=section + "_kernel", name=name, total_ms=tot / 1e3, calls=count[name], share=tot / busy)
+            for name, tot in sorted(totals.items(), key=lambda kv: -kv[1])[:top]]
+    for row in rows:
+        emit(**row)
+    return rows
 
 
 def seed_generation(cfg, schedules: list[str], prompts_per_gpu: int = 128, n: int = 5, repeats: int = 3,

@@ -106,7 +106,7 @@ def main() -> None:
             t0 = time.perf_counter()
             _, restored, restored_cfg = restore_weights(weights_dir, step)
             t1 = time.perf_counter()
-            for _, arr in iter_hf_tensors(restored, restored_cfg, dtype=jax.numpy.dtype("bfloat16")):
+            for _, arr in iter_hf_tensors(restored, restored_cfg, dtype="bfloat16"):
                 _as_torch(arr)
             row = dict(what="convert", rep=rep, seconds=time.perf_counter() - t0, restore_s=t1 - t0,
                        convert_s=time.perf_counter() - t1)

@@ -49,16 +49,12 @@ def profile(fn, label: str, top: int):
     fn()
     wall = time.perf_counter() - t0
     jax.profiler.stop_trace()
-    rows_before = len(bd_rows)
-    bd.summarize_trace(trace_dir, top=top, section=label)
-    kernels = [r for r in bd_rows[rows_before:] if r["section"] == f"{label}_kernel"]
+    kernels = bd.summarize_trace(trace_dir, top=top, section=label)
     by_kind: dict[str, float] = {}
     for r in kernels:
         by_kind[kind_of(r["name"])] = by_kind.get(kind_of(r["name"]), 0.0) + r["total_ms"]
     bd.emit(section=f"{label}_by_kind", wall_s=wall, top=top, **{k: round(v, 1) for k, v in by_kind.items()})
 
-
-bd_rows: list[dict] = []
 
 
 def main():
@@ -71,13 +67,6 @@ def main():
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
     bd.OUT_FILE = args.out
-    emit = bd.emit
-
-    def recording_emit(**row):
-        bd_rows.append(row)
-        emit(**row)
-
-    bd.emit = recording_emit
     from jaxrl_llm.trainer.worker import TrainerWorker
 
     preset = "tiny" if args.small else args.preset
@@ -97,7 +86,7 @@ def main():
     t_up = time.perf_counter() - t0
     seqlens = batch.prompt_lengths + batch.response_lengths
     flops = veRL_flops(worker.cfg, seqlens)
-    recording_emit(section="update", preset=preset, remat=worker.cfg.remat, budget=run.actor.ppo_max_token_len_per_gpu,
+    bd.emit(section="update", preset=preset, remat=worker.cfg.remat, budget=run.actor.ppo_max_token_len_per_gpu,
                    tokens=int(seqlens.sum()), seconds=t_up, mfu_989=flops / t_up / 1e12 / 989.0,
                    grad_norm=metrics["actor/grad_norm"], peak_gb=(jax.devices()[0].memory_stats() or {}).get(
                        "peak_bytes_in_use", 0) / 1e9,

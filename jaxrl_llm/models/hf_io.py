@@ -168,10 +168,11 @@ def load_hf(path: str | os.PathLike, *, dtype: str = "float32", param_dtype: str
 
 def iter_hf_tensors(params, cfg: DecoderConfig, *, critic: bool = False,
                     dtype=None) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, host array in HF layout) for every tensor, one layer slice at a time."""
+    """(HF name, host array in HF layout) for every tensor, one layer slice at a time, cast to `dtype` (a
+    dtype or its name, "bfloat16" included) when given."""
     for row in param_table(cfg, critic=critic):
         arr = get_path(params, row.path)
-        out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(arr.dtype)
+        out_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype is not None else np.dtype(arr.dtype)
         slices = [arr[i] for i in range(cfg.num_hidden_layers)] if row.stacked else [arr]
         for name, piece in zip(row.hf_names(cfg.num_hidden_layers), slices):
             host = np.asarray(jax.device_get(piece)).astype(out_dtype, copy=False)  # a view when it can be
@@ -197,7 +198,6 @@ def write_hf_dir(params, cfg: DecoderConfig, out_dir: str | os.PathLike, *, crit
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     limit = _parse_size(max_shard_size)
-    np_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype else None
     # Tensors are grouped greedily into shards, and each shard is written as soon as it is full, so
     # the host holds at most one shard at a time.
     current: list[tuple[str, np.ndarray]] = []
@@ -212,7 +212,7 @@ def write_hf_dir(params, cfg: DecoderConfig, out_dir: str | os.PathLike, *, crit
             written.append((tmp, [n for n, _ in current]))
         current, size = [], 0
 
-    for name, arr in iter_hf_tensors(params, cfg, critic=critic, dtype=np_dtype):
+    for name, arr in iter_hf_tensors(params, cfg, critic=critic, dtype=dtype):
         if current and size + arr.nbytes > limit:
             flush()
         current.append((name, arr))

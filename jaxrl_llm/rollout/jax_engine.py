@@ -44,7 +44,6 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(x, 1))))
 
 
-@gin.configurable
 def _resolve_decode_attention(impl: str, cfg, prompt_bucket: int, gen_bucket: int) -> str:
     """"xla" or "pallas" for `JaxEngine(decode_attention=impl)`; the Triton kernel's shape limits are
     checked here, where the engine is built, rather than at the first decode step."""
@@ -64,6 +63,7 @@ def _resolve_decode_attention(impl: str, cfg, prompt_bucket: int, gen_bucket: in
     raise ValueError(f"decode_attention='pallas' on GPU needs {' and '.join(problems)}; use 'xla' or 'auto'")
 
 
+@gin.configurable
 class JaxEngine:
     """Generates responses with the model's own JAX code; the default engine.
 

@@ -96,16 +96,13 @@ class VllmWorkerExtension:
           {"restore_s": Orbax -> host numpy, "reload_s": the HF table's renames, casts and transposes,
           and vLLM's load and re-processing}.
         """
-        import jax
-
         from jaxrl_llm.models.hf_io import iter_hf_tensors
         from jaxrl_llm.weights_io import restore_weights
 
         t0 = time.perf_counter()
         _, params, cfg = restore_weights(weights_dir, step)
         t1 = time.perf_counter()
-        np_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype else None
-        tensors = ((name, _as_torch(arr)) for name, arr in iter_hf_tensors(params, cfg, dtype=np_dtype))
+        tensors = ((name, _as_torch(arr)) for name, arr in iter_hf_tensors(params, cfg, dtype=dtype))
         self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
         return {"restore_s": t1 - t0, "reload_s": time.perf_counter() - t1}
 

@@ -185,9 +185,8 @@ class RLTrainer:
     def _remove_weights_dir(self) -> None:
         """Drops the pool's weights at the end of a run when they live outside the run dir (a RAM disk
         keeps two steps of weights in host memory otherwise)."""
-        d = getattr(self, "weights_dir", None)
-        if self.main and d and self.run.rollout.weights_dir and os.path.isdir(d):
-            shutil.rmtree(d, ignore_errors=True)
+        if self.main and self.use_pool and self.run.rollout.weights_dir:
+            shutil.rmtree(self._weights_dir(), ignore_errors=True)
 
     def generate(self, prompts: list[dict], sampling: SamplingParams) -> RolloutBatch:
         ids = [p["prompt_ids"] for p in prompts]

@@ -378,12 +378,13 @@ class TrainerWorker:
         out = {"index": batch.group_ids}
         # Only the [R, Tr] fields `adv_fn` reads go to the device: the rollout correction's and the in-reward
         # KL's log-probs, and the estimator's own inputs.
+        decoupled_rc, kl_in_reward = self.rc is not None and not self.bypass, self.run.algo.use_kl_in_reward
         wanted = {"values", "sum_pi_squared", "reward_baselines"} & need
-        if "old_log_probs" in need or self.run.algo.use_kl_in_reward or (self.rc is not None and not self.bypass):
+        if "old_log_probs" in need or kl_in_reward or decoupled_rc:
             wanted.add("old_log_prob")
-        if self.run.algo.use_kl_in_reward:
+        if kl_in_reward:
             wanted.add("ref_log_prob")
-        if self.rc is not None and not self.bypass:
+        if decoupled_rc:
             wanted.add("rollout_log_probs")
         for name in sorted(wanted):
             if name in f:

@@ -10,6 +10,10 @@ import numpy as np
 
 from jaxrl_llm.algorithms import AdvantageConfig
 
+# The estimator tests' tolerance against the float64 references, and their seeds.
+TOL = dict(rtol=1e-5, atol=1e-5)
+SEEDS = [dict(testcase_name=f"seed{s}", seed=s) for s in range(3)]
+
 # Groups of one, two and eight responses (and a second singleton and a triple), as the brief asks.
 GROUP_SIZES = (1, 2, 8, 1, 3)
 

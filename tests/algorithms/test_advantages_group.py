@@ -19,10 +19,8 @@ from jaxrl_llm.algorithms import (
     compute_rloo_outcome_advantage,
 )
 from tests.algorithms import numpy_reference_adv as ref
-from tests.algorithms.batches import EstimatorTest
+from tests.algorithms.batches import SEEDS, TOL, EstimatorTest
 
-TOL = dict(rtol=1e-5, atol=1e-5)
-SEEDS = [dict(testcase_name=f"seed{s}", seed=s) for s in range(3)]
 NO_SINGLETONS = (2, 8, 3, 4, 2)
 
 
