@@ -194,7 +194,7 @@ def rollout(presets, batches, small: bool, new_tokens: int = 232):
         cfg = _preset(preset, small, dtype="bfloat16", param_dtype="bfloat16")
         params = _random_params(cfg)
         for batch in batches:
-            eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=batch, max_prompt_length=512)
+            eng = JaxEngine(cfg, params, dtype="bfloat16", max_num_seqs=batch, max_prompt_length=512)
             prompts = gsm8k_prompts(batch)
             sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
             t0 = time.perf_counter()
@@ -228,7 +228,8 @@ def rollout(presets, batches, small: bool, new_tokens: int = 232):
 
 def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat: str, fsdp: int = -1, tensor: int = 1,
              max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run",
-             max_batch: int = 4096, decode_attention: str = "auto"):
+             max_batch: int = 4096, decode_attention: str = "auto", kv_cache: str = "paged"):
+    from jaxrl_llm.models.config import PRESETS
     from jaxrl_llm.trainer import config as C
 
     d = data_dir()
@@ -236,10 +237,14 @@ def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat
         model=C.ModelConfig(preset=preset, tokenizer_path=os.path.join(d, "qwen2_tokenizer"),
                             dtype="float32" if small else "bfloat16", param_dtype="float32", remat=remat,
                             attention_impl=ATTENTION["impl"],
-                            overrides={"vocab_size": 151936} if small else None),
+                            # Qwen2 token ids: a model of a smaller vocabulary (Llama 3) gets Qwen2's, so the
+                            # real prompts stay in range (+2-4% parameters at Llama's shapes)
+                            overrides={"vocab_size": 151936} if small or PRESETS[preset]().vocab_size < 151936
+                            else None),
         data=C.DataConfig(source="files", train_files=(os.path.join(d, "gsm8k_test.jsonl"),),
                           train_batch_size=prompts, max_prompt_length=max_prompt, max_response_length=max_response),
-        rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=max_batch, decode_attention=decode_attention),
+        rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=max_batch, decode_attention=decode_attention,
+                                kv_cache=kv_cache),
         actor=C.ActorConfig(lr=1e-6, ppo_mini_batch_size=mini, ppo_max_token_len_per_gpu=budget, use_kl_loss=True,
                             kl_loss_coef=0.001, kl_loss_type="low_var_kl"),
         critic=C.CriticConfig(), algo=C.AlgoConfig(adv_estimator="grpo"), reward=C.RewardConfig(),
@@ -340,7 +345,7 @@ def train(presets, small: bool, remat_list):
 
 
 def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, remat: str = "full",
-        budget: int = 32768, decode_attention: str = "auto"):
+        budget: int = 32768, decode_attention: str = "auto", kv_cache: str = "paged"):
     from jaxrl_llm.trainer.loop import RLTrainer
 
     for preset in presets:
@@ -350,7 +355,7 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
         run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else budget,
                        remat=remat, small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
                        run_dir=tempfile.mkdtemp(), fsdp=fsdp, tensor=tensor,
-                       max_batch=4096 * n_dev, decode_attention=decode_attention)
+                       max_batch=4096 * n_dev, decode_attention=decode_attention, kv_cache=kv_cache)
         t_init = time.perf_counter()
         trainer = RLTrainer(run)
         if jax.process_index() == 0:
@@ -390,8 +395,10 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
                 "response_length/mean", "response_length/max", "prompt_length/mean", "actor/grad_norm", "actor/pg_loss",
                 "actor/kl_loss", "actor/entropy", "critic/score/mean")}
             mesh = "x".join(f"{k}{v}" for k, v in trainer.worker.obj.mesh.shape.items() if v > 1) or "1"
+            pool = {f"kv/{k}": v for k, v in getattr(engine, "last_stats", {}).items()
+                    if k in ("num_pages", "kv_bytes", "preemptions", "row_steps", "tokens", "budget_source")}
             emit(section="e2e", preset=preset, mesh=mesh, remat=remat, decode_attention=decode_attention, step=step,
-                 devices=n_dev,
+                 kv_cache=kv_cache, device_peak_gb=device_gb(), **pool, devices=n_dev,
                  processes=jax.process_count(), wall_s=wall, compile_s=compile_s[0], prompts=n_prompts, n=n,
                  budget=budget, **keep)
         jax.monitoring.unregister_event_duration_listener(on_duration)
@@ -518,6 +525,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="e2e steps")
     ap.add_argument("--append", default=None, help="also append the markdown table to this file (BENCHMARKS.md)")
     ap.add_argument("--decode_attention", default="auto", help="e2e: rollout.decode_attention (auto, xla or pallas)")
+    ap.add_argument("--kv_cache", default="paged", help="e2e: rollout.kv_cache (paged or dense)")
     ap.add_argument("--sync_dirs", default="/tmp", help="sync: where the weights checkpoint goes (e.g. /tmp,/dev/shm)")
     ap.add_argument("--compile_cache", default="", help="JAX persistent compilation cache dir ('' = off)")
     args = ap.parse_args()
@@ -563,7 +571,7 @@ def main() -> None:
     run("rollout", rollout, presets, batches, args.small)
     run("train", train, train_presets, args.small, args.remat.split(","))
     run("e2e", e2e, train_presets, args.small, args.steps, args.fsdp, args.tensor, args.remat.split(",")[0],
-        args.token_budget, args.decode_attention)
+        args.token_budget, args.decode_attention, args.kv_cache)
     run("sync", sync, presets, args.small, args.sync_dirs.split(","))
     if not main_process:
         return

@@ -48,15 +48,19 @@ def _questions() -> tuple[str, ...]:
         return tuple(json.loads(line)["question"] + " " + INSTRUCTION for line in f)
 
 
-def gsm8k_prompts(n: int) -> list[list[int]]:
-    """n prompt token-id lists (cycling through the 1,319 test questions)."""
+def gsm8k_prompts(n: int, vocab_size: int | None = None) -> list[list[int]]:
+    """n prompt token-id lists (cycling through the 1,319 test questions), in the Qwen2 vocabulary.
+
+    With `vocab_size` (a model of a smaller vocabulary, e.g. Llama 3's 128,256), ids past it are folded into
+    it (id % vocab_size): random weights care about the shape of the work, not which ids it reads."""
     tok = tokenizer()
     qs = _questions()
     out = []
     for i in range(n):
         text = tok.apply_chat_template([{"role": "user", "content": qs[i % len(qs)]}], tokenize=False,
                                        add_generation_prompt=True)
-        out.append(tok(text, add_special_tokens=False)["input_ids"])
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        out.append([i % vocab_size for i in ids] if vocab_size else ids)
     return out
 
 

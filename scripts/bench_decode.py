@@ -147,7 +147,7 @@ def seed_generation(cfg, schedules: list[str], prompts_per_gpu: int = 128, n: in
     rows to drop every K steps; "every0": only when the cache grows) and decode attention ("xla", or
     "pallas": the ragged kernel)."""
     from jaxrl_llm.models import init_params
-    from jaxrl_llm.rollout import JaxEngine, SamplingParams
+    from jaxrl_llm.rollout import DenseJaxEngine, SamplingParams
     from scripts.bench_common import gsm8k_prompts, seed_response_lengths
 
     compile_s = [0.0]
@@ -162,7 +162,7 @@ def seed_generation(cfg, schedules: list[str], prompts_per_gpu: int = 128, n: in
     pool = gsm8k_prompts(prompts_per_gpu * (repeats + 1))
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=1024, ignore_eos=True)
     for sched, attn in [(s, a) for s in schedules for a in attentions]:
-        eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=4096, max_prompt_length=512,
+        eng = DenseJaxEngine(cfg, params, dtype="bfloat16", max_batch_size=4096, max_prompt_length=512,
                         compact_every=int(sched.removeprefix("every")), decode_attention=attn)
         eng.trace = True
         for rep in range(repeats + 1):
@@ -196,11 +196,11 @@ def seed_generation(cfg, schedules: list[str], prompts_per_gpu: int = 128, n: in
 
 def profile(cfg, batch, out_dir):
     from jaxrl_llm.models import init_params
-    from jaxrl_llm.rollout import JaxEngine, SamplingParams
+    from jaxrl_llm.rollout import DenseJaxEngine, SamplingParams
     from scripts.bench_common import gsm8k_prompts
 
     params = init_params(cfg, seed=0)
-    eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=batch, gen_bucket=256)
+    eng = DenseJaxEngine(cfg, params, dtype="bfloat16", max_batch_size=batch, gen_bucket=256)
     prompts = gsm8k_prompts(batch)
     sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=64, ignore_eos=True)
     eng.generate(prompts, sp)

@@ -163,7 +163,7 @@ def engine_step(tokens: int, preset: str = "qwen2p5_7b", rows: int = 256, impls=
         sys.path[:0] = glob.glob(os.path.join(REPO, ".whl", "gin_config-*.whl"))
     from jaxrl_llm.models import init_params
     from jaxrl_llm.models.config import PRESETS
-    from jaxrl_llm.rollout import JaxEngine, SamplingParams
+    from jaxrl_llm.rollout import DenseJaxEngine, SamplingParams
 
     cfg = PRESETS[preset](dtype="bfloat16", param_dtype="bfloat16")
     params = init_params(cfg, seed=0)
@@ -175,7 +175,7 @@ def engine_step(tokens: int, preset: str = "qwen2p5_7b", rows: int = 256, impls=
         if elapsed() > BUDGET:
             emit(section="skipped", what=f"engine {impl}", reason="time budget")
             continue
-        eng = JaxEngine(cfg, params, dtype="bfloat16", max_batch_size=rows, max_prompt_length=256,
+        eng = DenseJaxEngine(cfg, params, dtype="bfloat16", max_batch_size=rows, max_prompt_length=256,
                         decode_attention=impl)
         t = time.perf_counter()
         eng.generate(prompts, sp)  # compiles

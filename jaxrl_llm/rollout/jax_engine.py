@@ -1,23 +1,29 @@
-"""The JAX-native rollout engine: prefill once per prompt, then a jitted decode loop on a KV cache.
+"""The JAX-native rollout engine: a paged KV pool under a memory budget, with continuous batching.
 
-* Prompts are left-padded to a bucket of `prompt_bucket` tokens; the `n` responses of a prompt
-  share its prefill (the caches are repeated n times after it).
-* Decoding runs in segments: the cache starts with `gen_bucket` generation slots and doubles when a
-  segment fills it, so attention reads about as many slots as there are tokens. Every
-  `compact_every` steps (and at each growth), finished rows are dropped once the live ones fit a
-  smaller power-of-two batch. Shapes come from small ladders (rows: powers of two; cache slots:
-  multiples of `gen_bucket`), so a training run compiles a handful of programs and then reuses them.
-* `trace = True` records each phase's rows, cache slots and seconds in `last_trace` (it waits for the
-  device after each phase, so leave it off outside benchmarks).
-* Weight sync is in memory: the trainer's params are cast and resharded to the engine layout
-  (`sharding.ENGINE_RULES`) by one jitted function.
+Per `generate` call:
+
+* **Pool**: pages of `page_size` tokens, sized once from the budget (`gpu_memory_utilization` of the
+  device's memory, counting what the trainer and the engine's weights already hold, or an explicit
+  `kv_cache_memory_bytes`) and released after the call when `free_cache_engine`, so the update gets
+  the memory back. A request whose longest row cannot fit the whole pool is refused before any work,
+  with the keys to change.
+* **Scheduler** (rollout/scheduler.py): every row waits in a queue; rows are admitted while pages and
+  slots (`max_num_seqs`) are free, refilled as rows finish, and the newest are preempted and
+  recomputed when pages run out. The `n` samples of a prompt share its prompt pages.
+* **Device** (rollout/paged_decode.py): chunked prefill into pages (`max_num_batched_tokens` a call),
+  then decode segments of up to `max_segment` steps, attention through block tables (the Pallas kernel
+  in kernels/paged_attention.py on GPUs, an XLA gather elsewhere). Slots, prefill rows and chunk
+  lengths come from power-of-two ladders, so a run compiles a fixed set of programs.
+
+Greedy tokens and log-probs equal the dense engine's (rollout/dense_engine.py) and transformers'.
+Random draws too: row r's token t is drawn from fold_in(fold_in(key(seed), r), t) in both engines,
+whatever batch or slot it ran in and however often it was preempted.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections.abc import Sequence
 
@@ -25,179 +31,169 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh
 
-from jaxrl_llm import distributed, sharding
+from jaxrl_llm import distributed
 from jaxrl_llm.models.config import Qwen2Config
-from jaxrl_llm.models.params import param_shardings
-from jaxrl_llm.rollout import decode
+from jaxrl_llm.rollout import paged_decode
 from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams, check_prompts
+from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets
+from jaxrl_llm.rollout.page_pool import KvBudget, PagePool, kv_bytes_per_token, pages_for, size_pool
+from jaxrl_llm.rollout.scheduler import PrefillTask, Row, Scheduler
 
 log = logging.getLogger(__name__)
 
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(x, 1))))
+ATTN_BYTES = 512 << 20  # a prefill call's fp32 attention scores stay under this (chunks shrink as contexts grow)
+MIN_CHUNK = 16
 
 
-def _resolve_decode_attention(impl: str, cfg, prompt_bucket: int, gen_bucket: int) -> str:
-    """"xla" or "pallas" for `JaxEngine(decode_attention=impl)`; the Triton kernel's shape limits are
-    checked here, where the engine is built, rather than at the first decode step."""
-    if impl not in ("auto", "xla", "pallas"):
-        raise ValueError(f"decode_attention must be 'auto', 'xla' or 'pallas', got {impl!r}")
-    if impl == "xla" or jax.default_backend() != "gpu":
-        return "xla" if impl == "auto" else impl
-    head_dim, problems = cfg.head_dim, []
-    if prompt_bucket % 16 or gen_bucket % 16:
-        problems.append(f"prompt_bucket ({prompt_bucket}) and gen_bucket ({gen_bucket}) multiples of 16")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        problems.append(f"a power-of-two head dim >= 16 (the model's is {head_dim})")
-    if not problems:
-        return "pallas"
-    if impl == "auto":
-        return "xla"
-    raise ValueError(f"decode_attention='pallas' on GPU needs {' and '.join(problems)}; use 'xla' or 'auto'")
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _floor_pow2(x: int) -> int:
+    return 1 << max(0, int(x).bit_length() - 1)
 
 
 @gin.configurable
-class JaxEngine:
-    """Generates responses with the model's own JAX code; the default engine.
+class JaxEngine(EngineWeights):
+    """Generates responses with the model's own JAX code on a paged KV pool; the default engine.
 
     Args:
       cfg: the model config (its dtype fields are replaced by `dtype`).
       params: trainer params (any sharding), or None to set them later with `update_weights`.
       mesh: the device mesh (None: the first device).
-      dtype: engine weights, activations and KV cache dtype.
+      dtype: engine weights, activations and KV dtype.
       max_prompt_length: longest accepted prompt.
-      max_batch_size: most response rows decoded together; larger requests run in chunks.
-      prompt_bucket: prompt slots are a multiple of this.
-      gen_bucket: generation slots of the first decode segment; cache capacities are multiples of it.
-      compact_every: decode steps between checks for finished rows to drop (0: only when the
-        cache grows).
-      prefill_batch: prompts prefilled together (one device).
-      decode_attention: "xla" (attention over every cache slot), "pallas" (the ragged kernel in
-        kernels/decode_attention.py: each row reads only its valid slots; interpret mode off GPU), or
-        "auto": the kernel on a GPU where its shapes allow (cache slots in blocks of 16, a power-of-two
-        head dim >= 16), XLA elsewhere. The kernel measured 7% faster than XLA on a 7B seed-shaped
-        generation on an H200 and 9% a 7B decode step on an H100 (BENCHMARKS.md).
+      max_num_seqs: rows decoded together at most (decode slots over all data-parallel shards).
+      max_num_batched_tokens: prompt tokens one prefill call processes at most.
+      page_size: tokens a KV page holds.
+      gpu_memory_utilization: the share of the device's memory that total use (trainer state, engine
+        weights, KV pool and the engine's temporaries) may reach while generating.
+      kv_cache_memory_bytes: the KV pool's bytes per device; overrides the share.
+      free_cache_engine: release the pool after every `generate` (else keep it for the next call).
+      decode_attention: "pallas" (the paged kernel; interpret mode off GPU), "xla" (a gather of each
+        row's pages), or "auto": the kernel on GPUs where its shapes allow, XLA elsewhere.
+      max_segment: decode steps between scheduling decisions at most.
+      share_prompt_pages: the n samples of a prompt share its prompt's pages.
     """
 
-    def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None,
-                 dtype: str = "bfloat16", max_prompt_length: int = 1024, max_batch_size: int = 1024,
-                 prompt_bucket: int = 32, gen_bucket: int = 128, compact_every: int = 64,
-                 prefill_batch: int = 64, decode_attention: str = "auto"):
-        decode_attention = _resolve_decode_attention(decode_attention, cfg, prompt_bucket, gen_bucket)
-        self.cfg = cfg.replace(dtype=dtype, param_dtype=dtype, remat="none", attention_impl="xla")
-        self.mesh = mesh
-        self.max_prompt_length = max_prompt_length
-        self.max_batch_size = max_batch_size
-        self.prompt_bucket = prompt_bucket
-        self.gen_bucket = gen_bucket
-        self.compact_every = compact_every
-        self.decode_attention = decode_attention
-        self.trace = False
-        self.last_trace: list[dict] = []
-        self.prefill_batch = prefill_batch
-        self.version = 0
-        self._dp = sharding.data_parallel_size(mesh) if mesh is not None else 1
-        self._shardings = self._engine_shardings()
-        self._convert = jax.jit(self._to_engine, out_shardings=self._shardings)
-        self.params = None
-        if params is not None:
-            self.update_weights(params)
+    def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
+                 max_prompt_length: int = 1024, max_num_seqs: int = 1024, max_num_batched_tokens: int = 8192,
+                 page_size: int = 16, gpu_memory_utilization: float = 0.9, kv_cache_memory_bytes: int | None = None,
+                 free_cache_engine: bool = True, decode_attention: str = "auto", max_segment: int = 64,
+                 share_prompt_pages: bool = True):
+        _check(page_size >= 1 and page_size & (page_size - 1) == 0, "rollout.page_size",
+               f"{page_size}: use a power of two (16 is vLLM's default)")
+        _check(max_num_seqs >= 1, "rollout.max_num_seqs", f"{max_num_seqs}: need >= 1")
+        _check(max_num_batched_tokens >= MIN_CHUNK, "rollout.max_num_batched_tokens",
+               f"{max_num_batched_tokens}: need >= {MIN_CHUNK}")
+        _check(0.0 < gpu_memory_utilization <= 1.0, "rollout.gpu_memory_utilization",
+               f"{gpu_memory_utilization}: need a fraction in (0, 1]")
+        _check(kv_cache_memory_bytes is None or kv_cache_memory_bytes > 0, "rollout.kv_cache_memory_bytes",
+               f"{kv_cache_memory_bytes}: need a positive byte count, or None to size from the fraction")
+        from kernels.paged_attention import paged_attention_supported
 
-    # ---- weights -------------------------------------------------------------------------------
-    def _engine_shardings(self):
-        cfg, mesh = self.cfg, self.mesh
-        shapes = jax.eval_shape(lambda layer: decode.engine_layer(layer, jnp.dtype(cfg.dtype)), _abstract_layer(cfg))
+        self.decode_attention = resolve_decode_attention(
+            decode_attention, paged_attention_supported(page_size, cfg.head_dim),
+            f"a power-of-two page size and head dim >= 16 (page {page_size}, head dim {cfg.head_dim})")
+        super().__init__(cfg, params, mesh=mesh, dtype=dtype, max_prompt_length=max_prompt_length)
+        self.max_num_seqs = max(self._dp, max_num_seqs - max_num_seqs % self._dp)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.page_size = page_size
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.free_cache_engine = free_cache_engine
+        self.max_segment = max_segment
+        self.share_prompt_pages = share_prompt_pages
+        self._tensor = self.mesh.shape["tensor"] if self.mesh is not None and "tensor" in self.mesh.shape else 1
+        self._pool = None
+        self._budget: KvBudget | None = None
+        self.last_stats: dict = {}
 
-        def sh(axes, shape):
-            if mesh is None:
-                return SingleDeviceSharding(jax.devices()[0])
-            return sharding.named_sharding(mesh, axes, shape, rules=sharding.ENGINE_RULES)
+    # ---- memory ------------------------------------------------------------------------------
+    @property
+    def _kv_heads_local(self) -> int:
+        k = self.cfg.num_key_value_heads
+        return k // self._tensor if k % self._tensor == 0 else k
 
-        layer = {k: sh(decode.ENGINE_LAYER_AXES[k], v.shape) for k, v in shapes.items()}
-        return {
-            "embed": sh(("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size)),
-            "layers": [layer] * cfg.num_hidden_layers,
-            "norm": sh(("norm",), (cfg.hidden_size,)),
-            "head": sh(("embed", "vocab"), (cfg.hidden_size, cfg.vocab_size)),
-        }
+    def page_bytes(self) -> int:
+        """One page's K and V over every layer, on one device."""
+        itemsize = jnp.dtype(self.cfg.dtype).itemsize
+        return self.page_size * kv_bytes_per_token(self.cfg.num_hidden_layers, self._kv_heads_local,
+                                                   self.cfg.head_dim, itemsize)
 
-    def _to_engine(self, params):
-        dt = jnp.dtype(self.cfg.dtype)
-        m = params["model"]
-        layers = [decode.engine_layer(jax.tree.map(lambda x, i=i: x[i], m["layers"]), dt)
-                  for i in range(self.cfg.num_hidden_layers)]
-        embed = m["embed_tokens"]["embedding"].astype(dt)
-        head = embed.T if self.cfg.tie_word_embeddings else params["lm_head"]["kernel"].astype(dt)
-        return {"embed": embed, "layers": layers, "norm": m["norm"]["weight"].astype(dt), "head": head}
+    def workspace_bytes(self, table_width: int) -> int:
+        """The decode and prefill temporaries a device holds beside the pool (an estimate from shapes)."""
+        c, itemsize = self.cfg, jnp.dtype(self.cfg.dtype).itemsize
+        s = -(-self.max_num_seqs // self._dp)
+        v, n, kh = c.vocab_size, c.num_attention_heads, self._kv_heads_local
+        decode = s * v * 4 * 4  # fp32 logits, their log-softmax and the sampler's temporaries
+        if self.decode_attention == "xla":  # one layer's gathered pages and scores
+            decode += s * table_width * self.page_size * (2 * kh * c.head_dim * itemsize + n * 4 * 2)
+        t = self.max_num_batched_tokens
+        prefill = t * (3 * c.hidden_size + c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size) * itemsize
+        prefill += 2 * ATTN_BYTES
+        return int(max(decode, prefill) + (256 << 20))
 
-    def update_weights(self, params, *, step: int | None = None) -> int:
-        """Casts and reshards trainer params into the engine layout, in device memory."""
-        engine_devices = set(self.mesh.devices.flat) if self.mesh is not None else {jax.devices()[0]}
-        if any(set(x.sharding.device_set) != engine_devices for x in jax.tree.leaves(params)):
-            # Trainer and engine on different devices: one device-to-device transfer into the
-            # trainer-style layout on the engine's devices, then the same conversion.
-            params = jax.device_put(params, param_shardings(self.cfg, self.mesh))
-        with self._mesh_ctx():
-            self.params = self._convert(params)
-        self.version = self.version + 1 if step is None else step
-        return self.version
+    def _size_pool(self, rows: int, longest: int, table_width: int) -> KvBudget:
+        per_shard_rows = min(-(-rows // self._dp), self.max_num_seqs // self._dp)
+        unbounded = self._dp * (per_shard_rows * pages_for(longest, self.page_size) + 1)
+        budget = size_pool(page_bytes=self.page_bytes(), shards=self._dp, workspace=self.workspace_bytes(table_width),
+                           gpu_memory_utilization=self.gpu_memory_utilization,
+                           kv_cache_memory_bytes=self.kv_cache_memory_bytes, unbounded_pages=unbounded)
+        if distributed.process_count() > 1:  # every process must build the same pool
+            pages = min(distributed.allgather_objects(budget.num_pages))
+            budget = KvBudget(pages, budget.page_bytes, budget.source, budget.device_limit, budget.in_use,
+                              budget.workspace)
+        return budget
 
-    # ---- generation ----------------------------------------------------------------------------
-    def _mesh_ctx(self):
-        return jax.set_mesh(self.mesh) if self.mesh is not None else _null_ctx()
+    def _check_fits(self, budget: KvBudget, longest: int, prompt_len: int, max_new: int) -> None:
+        usable = budget.num_pages // self._dp - 1
+        need = pages_for(longest, self.page_size)
+        if usable >= need:
+            return
+        gib = budget.num_pages // self._dp * budget.page_bytes / 2**30
+        where = {"kv_cache_memory_bytes": f"rollout.kv_cache_memory_bytes = {self.kv_cache_memory_bytes}",
+                 "gpu_memory_utilization": (f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization} of "
+                                            f"{budget.device_limit / 2**30:.1f} GiB, less {budget.in_use / 2**30:.1f} "
+                                            f"GiB in use and {budget.workspace / 2**30:.1f} GiB of workspace"),
+                 "unbounded": "the unbounded pool"}[budget.source]
+        raise RolloutError(
+            f"the KV pool cannot hold one longest response: it has {max(usable, 0)} usable pages of {self.page_size} "
+            f"tokens a device ({gib:.2f} GiB, from {where}), and a row of prompt {prompt_len} + max_new_tokens "
+            f"{max_new} tokens needs {need}. Raise rollout.gpu_memory_utilization or set "
+            "rollout.kv_cache_memory_bytes, lower data.max_response_length or data.max_prompt_length, or free "
+            "device memory (trainer.ref_offload, a tensor-parallel mesh with train.mesh_tensor)")
 
-    def _put(self, x: np.ndarray) -> jax.Array:
-        """A host array (the same on every process) split over the engine's data-parallel devices."""
-        return distributed.put(x, self._batch_sharding(x.ndim))
+    def release(self) -> None:
+        """Frees the KV pool now (it is re-allocated by the next `generate`)."""
+        if self._pool is not None:
+            for k, v in self._pool:
+                k.delete()
+                v.delete()
+        self._pool = None
 
-    def _batch_sharding(self, ndim):
-        if self.mesh is None:
-            return SingleDeviceSharding(jax.devices()[0])
-        return NamedSharding(self.mesh, sharding.logical_to_spec(("batch",) + (None,) * (ndim - 1),
-                                                                 None, self.mesh))
+    # ---- jitted programs ---------------------------------------------------------------------
+    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_pages", "spec"))
+    def _alloc(self, *, num_pages, spec):
+        return paged_decode.alloc_pool(num_pages, self.page_size, spec, jnp.dtype(self.cfg.dtype))
 
-    def _spec(self, sampling: SamplingParams) -> decode.DecodeSpec:
-        stops = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.cfg.eos_token_ids)
-        return decode.DecodeSpec(
-            num_layers=self.cfg.num_hidden_layers, num_heads=self.cfg.num_attention_heads,
-            num_kv_heads=self.cfg.num_key_value_heads, head_dim=self.cfg.head_dim, rope_theta=self.cfg.rope_theta,
-            rope_scaling=self.cfg.rope_scaling, rms_norm_eps=self.cfg.rms_norm_eps,
-            temperature=float(sampling.temperature),
-            top_k=max(0, int(sampling.top_k)), top_p=float(sampling.top_p), stop_ids=tuple(sorted(set(stops))),
-            pad_id=self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0,
-            max_new_tokens=int(sampling.max_new_tokens), attention=self.decode_attention)
+    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2,))
+    def _prefill(self, eparams, pool, ids, tables, start, length, scratch, *, spec):
+        return paged_decode.prefill_chunk(eparams, pool, ids, tables, start, length, scratch, spec=spec)
 
-    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("rows", "capacity", "spec"))
-    def _alloc(self, *, rows, capacity, spec):
-        return decode.alloc_caches(rows, capacity, spec, jnp.dtype(self.cfg.dtype))
+    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+    def _copy(self, pool, src, dst):
+        return paged_decode.copy_pages(pool, src, dst)
 
-    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "n"), donate_argnums=(2,))
-    def _prefill(self, eparams, caches, ids, mask, row0, prompt_slots, *, spec, n):
-        return decode.prefill_into(eparams, caches, ids, mask, row0, prompt_slots, spec=spec, n=n)
+    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2,))
+    def _decode(self, eparams, pool, tables, pos, last, t, row_max, active, rids, scratch, key, seg_len, stop_free,
+                *, spec):
+        return paged_decode.decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, scratch, key,
+                                           seg_len, stop_free, spec=spec, max_seg=self.max_segment)
 
-    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "n"))
-    def _first(self, logits, key, prompt_lens, row_max, row_ids, *, spec, n):
-        return decode.first_token(logits, key, prompt_lens, row_max, row_ids, spec=spec, n=n)
-
-    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2, 3))
-    def _decode(self, eparams, state, caches, start, prompt_slots, t_end, *, spec):
-        return decode.decode_segment(eparams, state, caches, start, prompt_slots, t_end, spec=spec)
-
-    @functools.partial(jax.jit, static_argnums=(0, 2))
-    def _grow(self, caches, capacity):
-        return decode.grow_caches(caches, capacity)
-
-    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("capacity",))
-    def _compact(self, state, caches, start, sel, filler, *, capacity):
-        return decode.compact(state, caches, start, sel, filler, capacity, shards=sel.shape[0])
-
+    # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                  max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
         """Samples `sampling.n` responses for every prompt (prompt-major order in the result).
@@ -209,177 +205,175 @@ class JaxEngine:
                       self.cfg.max_position_embeddings)
         if self.params is None:
             raise RuntimeError("JaxEngine has no weights; call update_weights(params) first")
-        spec = self._spec(sampling)
+        spec = self._spec(sampling, self.decode_attention)
         n = sampling.n
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        per_chunk = max(1, self.max_batch_size // n)
-        tokens = np.full((len(prompts) * n, spec.max_new_tokens), spec.pad_id, np.int32)
-        logps = np.zeros(tokens.shape, np.float32)
-        lengths = np.zeros(len(prompts) * n, np.int32)
-        row_max = np.full(len(prompts) * n, spec.max_new_tokens, np.int32)
-        if max_new_tokens_per_row is not None:
-            row_max = np.clip(np.asarray(max_new_tokens_per_row, np.int32), 1, spec.max_new_tokens)
-            if row_max.shape != (len(prompts) * n,):
-                raise RolloutError(f"max_new_tokens_per_row has {row_max.size} values; need len(prompts) * n = "
-                                   f"{len(prompts) * n}")
-        key = jax.random.key(sampling.seed)
-        self.last_trace = []
-        for start in range(0, len(order), per_chunk):
-            chunk = order[start:start + per_chunk]
-            rows = (np.asarray(chunk)[:, None] * n + np.arange(n)[None, :]).reshape(-1)
-            out = self._generate_chunk([prompts[i] for i in chunk], spec, n, key, row_max[rows], rows)
-            tokens[rows], logps[rows], lengths[rows] = out
-        width = int(lengths.max())
-        tokens, logps = tokens[:, :width], logps[:, :width]
-        stop_set = set(spec.stop_ids)
-        last = tokens[np.arange(len(lengths)), lengths - 1]
-        reasons = ["stop" if int(tok) in stop_set else "length" for tok in last]
-        return RolloutBatch(prompt_index=np.repeat(np.arange(len(prompts)), n), tokens=tokens,
-                            logprobs=logps, lengths=lengths, finish_reasons=reasons,
-                            weight_version=self.version)
-
-    def _generate_chunk(self, prompts, spec, n, key, row_max, row_ids):
-        """Prompts sorted longest first -> (tokens, logps, lengths) of their len(prompts) * n rows."""
-        b = len(prompts)
-        bp = _round_up(_next_pow2(b), self._dp) if b > 1 else self._dp
-        # Filler rows keep the batch bucketed; they copy the shortest prompt and are dropped below.
-        rows = list(prompts) + [prompts[-1]] * (bp - b)
-        lens = np.asarray([len(x) for x in rows], np.int32)
-        slots = _round_up(int(lens.max()), self.prompt_bucket)
-        # Prefill in sub-batches of similar length, each at its own padded length (with several
-        # data-parallel devices, in one batch: a dynamic row offset would cross shards).
-        sub = bp if self._dp > 1 else min(bp, self.prefill_batch)
-        cap = min(_next_pow2(spec.max_new_tokens), self.gen_bucket)
-        rmax = np.full(bp * n, 1, np.int32)
-        rmax[: b * n] = row_max
-        ids_all = np.full(bp * n, -1, np.int32)
-        ids_all[: b * n] = row_ids
-        start = np.repeat(slots - lens, n).astype(np.int32)  # [R] first prompt slot of each row
-        clock = _Clock(self.trace, self.last_trace)
+        row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, spec.max_new_tokens)
+        rows = [Row(rid=i * n + j, prompt=i, ids=list(map(int, prompts[i])), max_tokens=int(row_max[i * n + j]))
+                for i in range(len(prompts)) for j in range(n)]
+        longest_row = max(rows, key=lambda r: len(r.ids) + r.max_tokens)
+        longest = len(longest_row.ids) + longest_row.max_tokens - 1  # positions a row writes at most
+        width = _pow2(pages_for(longest, self.page_size))
+        t0 = time.perf_counter()
         with self._mesh_ctx():
-            capacity = self._capacity(slots, cap)
-            caches = self._alloc(rows=bp * n, capacity=capacity, spec=spec)
-            logits = []
-            for s0 in range(0, bp, sub):
-                group = rows[s0:s0 + sub]
-                ps = _round_up(max(len(x) for x in group), self.prompt_bucket)
-                ids = np.full((len(group), ps), spec.pad_id, np.int32)
-                mask = np.zeros((len(group), ps), np.int32)
-                for i, src in enumerate(group):
-                    ids[i, ps - len(src):] = src
-                    mask[i, ps - len(src):] = 1
-                caches, lg = self._prefill(self.params, caches, self._put(ids), self._put(mask), np.int32(s0 * n),
-                                           np.int32(slots), spec=spec, n=n)
-                logits.append(lg)
-            logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
-            state = self._first(logits, key, self._put(lens), self._put(rmax), self._put(ids_all), spec=spec, n=n)
-            start = self._put(start)
-            clock.mark(state, phase="prefill", rows=bp * n, prompt_slots=slots)
-            # Rows of the running batch -> rows of this chunk (-1: a filler row); outputs land in host
-            # arrays as rows leave.
-            index = np.arange(bp * n)
-            tokens = np.full((bp * n, spec.max_new_tokens), spec.pad_id, np.int32)
-            logps = np.zeros((bp * n, spec.max_new_tokens), np.float32)
-            lengths = np.zeros(bp * n, np.int32)
+            budget = self._budget
+            if self._pool is None:
+                budget = self._size_pool(len(rows), longest, width)
+            self._check_fits(budget, longest, len(longest_row.ids), longest_row.max_tokens)
+            if self._pool is None:
+                self._pool, self._budget = self._alloc(num_pages=budget.num_pages, spec=spec), budget
+            pool = PagePool(budget.num_pages, self.page_size, self._dp)
+            sched = Scheduler(pool, rows, max_num_seqs=self.max_num_seqs, max_seg=self.max_segment,
+                              share_prompts=self.share_prompt_pages)
+            stats = dict(segments=0, row_steps=0, decode_steps=0, prefill_calls=0)
+            key = jax.random.key(sampling.seed)
+            try:
+                while not sched.done():
+                    plan = sched.plan()
+                    self._run_prefills(plan.prefills, pool, width, spec, stats)
+                    if plan.copies:
+                        self._run_copies(plan.copies, pool)
+                    self._run_segment(plan, sched, pool, width, key, spec, stats)
+            finally:
+                if self.free_cache_engine:
+                    self.release()
+        stats.update(sched.stats, num_pages=budget.num_pages, page_size=self.page_size,
+                     kv_bytes=budget.num_pages // self._dp * budget.page_bytes, budget_source=budget.source,
+                     workspace_bytes=budget.workspace, seconds=time.perf_counter() - t0,
+                     tokens=sum(len(r.tokens) for r in rows))
+        self.last_stats = stats
+        return self._result(rows, len(prompts), n, spec)
 
-            def collect():
-                tok, lp, ln = distributed.fetch_tree((state["tokens"], state["logps"], state["lengths"]))
-                keep = index >= 0
-                tokens[index[keep]], logps[index[keep]], lengths[index[keep]] = tok[keep], lp[keep], ln[keep]
+    def _result(self, rows: list[Row], num_prompts: int, n: int, spec) -> RolloutBatch:
+        lengths = np.asarray([len(r.tokens) for r in rows], np.int32)
+        width = int(lengths.max())
+        tokens = np.full((len(rows), width), spec.pad_id, np.int32)
+        logps = np.zeros((len(rows), width), np.float32)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r.tokens)] = r.tokens
+            logps[i, : len(r.logps)] = r.logps
+        stop_set = set(spec.stop_ids)
+        reasons = ["stop" if r.tokens[-1] in stop_set else "length" for r in rows]
+        return RolloutBatch(prompt_index=np.repeat(np.arange(num_prompts), n), tokens=tokens, logprobs=logps,
+                            lengths=lengths, finish_reasons=reasons, weight_version=self.version)
 
-            t = 1
+    def _local(self, pool: PagePool, page: int) -> int:
+        return page - pool.shard_of(page) * pool.per_shard
+
+    def _run_prefills(self, tasks: list[PrefillTask], pool: PagePool, width: int, spec, stats: dict) -> None:
+        """Prefills in chunks: fresh rows first (their pages may be shared by resumed rows), each phase in
+        waves (chunk i of every row, then chunk i + 1), each wave in calls of similar chunk lengths."""
+        n_heads = self.cfg.num_attention_heads
+        for phase in ([t for t in tasks if not t.row.tokens], [t for t in tasks if t.row.tokens]):
+            cursor = {id(t): t.start for t in phase}
             while True:
-                t_end = min(capacity - slots + 1, spec.max_new_tokens)
-                if self.compact_every:
-                    t_end = min(t_end, t + self.compact_every)
-                state, caches = self._decode(self.params, state, caches, start, np.int32(slots),
-                                             np.int32(t_end), spec=spec)
-                # Every process decides from the same global values (growth, compaction, the end).
-                t0, (t, done) = t, distributed.fetch_tree((state["t"], state["done"]))
-                clock.mark(None, phase="decode", t0=int(t0), t1=int(t), rows=int(done.shape[0]),
-                           live=int((~done).sum()), slots=capacity)
-                if done.all() or t >= spec.max_new_tokens:
+                wave = []
+                for t in phase:
+                    a = cursor[id(t)]
+                    if a >= t.end:
+                        continue
+                    ctx = _pow2(pages_for(t.end, self.page_size)) * self.page_size
+                    cap = min(self.max_num_batched_tokens, max(MIN_CHUNK, ATTN_BYTES // (n_heads * 4 * ctx)))
+                    b = min(t.end, a + _floor_pow2(cap))
+                    wave.append((t, a, b))
+                    cursor[id(t)] = b
+                if not wave:
                     break
-                full = slots + t > capacity  # step t writes slot P + t - 1
-                if full:
-                    cap = min(2 * cap, _round_up(spec.max_new_tokens, self.gen_bucket))
-                    capacity = self._capacity(slots, max(cap, t + 1))
-                plan = _compaction(done, self._dp)
-                if plan is not None:
-                    # The live rows fit a smaller power-of-two bucket in every data shard: keep only
-                    # them, so the rest of the decode computes and reads K/V for them alone (in the
-                    # same copy as the growth, when the cache is full).
-                    collect()
-                    sel, filler = plan
-                    state, caches, start = self._compact(state, caches, start, sel, filler, capacity=capacity)
-                    index = np.where(filler, -1, index[_global_rows(sel, done.shape[0])])
-                    clock.mark(caches, phase="compact", rows=int(filler.size))
-                elif full:
-                    caches = self._grow(caches, capacity)
-                    clock.mark(caches, phase="grow", rows=int(done.shape[0]))
-            collect()
-        return tokens[: b * n], logps[: b * n], lengths[: b * n]
+                wave.sort(key=lambda w: -(w[2] - w[1]))
+                while wave:
+                    wave = self._prefill_call(wave, pool, width, spec, n_heads)
+                    stats["prefill_calls"] += 1
 
-    def _capacity(self, slots: int, gen: int) -> int:
-        """Cache slots for `slots` prompt slots and `gen` generated tokens, on a ladder of `gen_bucket`
-        steps: batches whose longest prompts differ a little share one compiled program."""
-        return _round_up(slots + gen, self.gen_bucket)
+    def _prefill_call(self, wave, pool: PagePool, width: int, spec, n_heads: int):
+        """One prefill call on the longest chunks of `wave` (sorted by length); returns the rest."""
+        length = max(MIN_CHUNK, _pow2(wave[0][2] - wave[0][1]))
+        ctx_pages = _pow2(max(pages_for(b, self.page_size) for _, _, b in wave))
+        ctx_pages = min(ctx_pages, width)
+        per_call = max(1, min(self.max_num_batched_tokens // length,
+                              ATTN_BYTES // (n_heads * 4 * length * ctx_pages * self.page_size)))
+        per_shard = _floor_pow2(max(1, per_call // self._dp))
+        take, rest, counts = [], [], [0] * self._dp
+        for w in wave:
+            shard = w[0].row.shard
+            if counts[shard] < per_shard:
+                counts[shard] += 1
+                take.append(w)
+            else:
+                rest.append(w)
+        b_local = _pow2(max(counts))
+        b = b_local * self._dp
+        ids = np.zeros((b, length), np.int32)
+        tables = np.zeros((b, ctx_pages), np.int32)
+        start = np.zeros(b, np.int32)
+        lens = np.zeros(b, np.int32)
+        fill = [0] * self._dp
+        for task, a, e in take:
+            row = task.row
+            i = row.shard * b_local + fill[row.shard]
+            fill[row.shard] += 1
+            ctx = row.context()
+            ids[i, : e - a] = ctx[a:e]
+            pages = [self._local(pool, p) for p in task.pages[:ctx_pages]]
+            tables[i, : len(pages)] = pages
+            start[i], lens[i] = a, e - a
+        self._pool = self._prefill(self.params, self._pool, self._put(ids), self._put(tables), self._put(start),
+                                   self._put(lens), self._put(np.zeros(b, np.int32)), spec=spec)
+        return rest
+
+    def _run_copies(self, copies: list[tuple[int, int]], pool: PagePool) -> None:
+        per = [[] for _ in range(self._dp)]
+        for src, dst in copies:
+            per[pool.shard_of(src)].append((self._local(pool, src), self._local(pool, dst)))
+        c = _pow2(max(len(p) for p in per))
+        src = np.zeros((self._dp, c), np.int32)
+        dst = np.zeros((self._dp, c), np.int32)
+        for d, pairs in enumerate(per):
+            for j, (s_, t_) in enumerate(pairs):
+                src[d, j], dst[d, j] = s_, t_
+        self._pool = self._copy(self._pool, self._put(src), self._put(dst))
+
+    def _run_segment(self, plan, sched: Scheduler, pool: PagePool, width: int, key, spec, stats: dict) -> None:
+        slots = [r for shard in plan.slots for r in shard]
+        s = len(slots)
+        live = [r for r in slots if r is not None]
+        if self.decode_attention == "xla":  # gather only as many pages as the longest row holds
+            width = min(width, _pow2(max(len(r.pages) for r in live)))
+        tables = np.zeros((s, width), np.int32)
+        pos, last, t, row_max, rids = (np.zeros(s, np.int32) for _ in range(5))
+        active = np.zeros(s, bool)
+        for i, r in enumerate(slots):
+            if r is None:
+                continue
+            pages = [self._local(pool, p) for p in r.pages[:width]]
+            tables[i, : len(pages)] = pages
+            pos[i], last[i], t[i], row_max[i], rids[i] = r.context_len, r.pending, len(r.tokens), r.max_tokens, r.rid
+            active[i] = True
+        self._pool, out = self._decode(
+            self.params, self._pool, self._put(tables), self._put(pos), self._put(last), self._put(t),
+            self._put(row_max), self._put(active), self._put(rids), self._put(np.zeros(s, np.int32)), key,
+            np.int32(plan.seg), np.int32(plan.stop_free), spec=spec)
+        out = distributed.fetch_tree(out)
+        idx = [i for i, r in enumerate(slots) if r is not None]
+        finished = ~out["active"][idx]
+        sched.commit(live, out["tokens"][idx], out["logps"][idx], out["count"][idx], finished)
+        stats["segments"] += 1
+        stats["decode_steps"] += int(out["steps"])
+        stats["row_steps"] += int(out["steps"]) * s
 
 
-def _compaction(done: np.ndarray, shards: int):
-    """Rows to keep when the live rows of every data shard fit a smaller power of two, else None.
-
-    Returns (sel [shards, b] row indices within each shard, filler [shards * b] bool): each shard
-    keeps its live rows, padded to the same power of two b by repeating one of its rows.
-    """
-    per = done.reshape(shards, -1)
-    live = [np.nonzero(~d)[0] for d in per]
-    b = _next_pow2(max(1, max(len(x) for x in live)))
-    if shards * b >= done.size:
-        return None
-    sel = np.zeros((shards, b), np.int32)
-    filler = np.ones((shards, b), bool)
-    for i, rows in enumerate(live):
-        sel[i, :len(rows)] = rows
-        sel[i, len(rows):] = rows[0] if len(rows) else 0
-        filler[i, :len(rows)] = False
-    return sel, filler.reshape(-1)
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ValueError(f"{key} = {msg}")
 
 
-def _global_rows(sel: np.ndarray, rows: int) -> np.ndarray:
-    """Per-shard row indices [shards, b] -> indices into the whole batch [shards * b]."""
-    shards = sel.shape[0]
-    return (sel + (np.arange(shards) * (rows // shards))[:, None]).reshape(-1)
+def make_jax_engine(cfg: Qwen2Config, params, mesh: Mesh | None, *, rollout, max_prompt_length: int):
+    """The trainer's JAX engine from its `rollout.*` config: paged (the default) or dense."""
+    if rollout.kv_cache == "dense":
+        from jaxrl_llm.rollout.dense_engine import DenseJaxEngine
 
-
-class _Clock:
-    """Seconds per generation phase, appended to `out` when `on` (each mark waits for `value`)."""
-
-    def __init__(self, on: bool, out: list):
-        self.on, self.out = on, out
-        self.t = time.perf_counter() if on else 0.0
-
-    def mark(self, value, **record):
-        if not self.on:
-            return
-        jax.block_until_ready(value)
-        now = time.perf_counter()
-        self.out.append(dict(record, seconds=now - self.t))
-        self.t = now
-
-
-def _abstract_layer(cfg: Qwen2Config) -> dict:
-    """ShapeDtypeStructs of one unstacked trainer layer in the engine dtype."""
-    from jaxrl_llm.models.params import graphdef_and_abstract_params
-
-    _, abstract = graphdef_and_abstract_params(cfg)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], jnp.dtype(cfg.dtype)),
-                        abstract["model"]["layers"])
-
-
-class _null_ctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+        return DenseJaxEngine(cfg, params, mesh=mesh, dtype=cfg.dtype, max_prompt_length=max_prompt_length,
+                              max_batch_size=rollout.max_batch_size, decode_attention=rollout.decode_attention)
+    return JaxEngine(cfg, params, mesh=mesh, dtype=cfg.dtype, max_prompt_length=max_prompt_length,
+                     max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
+                     page_size=rollout.page_size, gpu_memory_utilization=rollout.gpu_memory_utilization,
+                     kv_cache_memory_bytes=rollout.kv_cache_memory_bytes, free_cache_engine=rollout.free_cache_engine,
+                     decode_attention=rollout.decode_attention)

@@ -92,7 +92,18 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_batch_size: int = 1024  # response rows decoded together (JAX engine)
+    # The JAX engine's KV memory: "paged" (a page pool under a budget, continuous batching; the default)
+    # or "dense" (per-row caches; the baseline it is measured against)
+    kv_cache: str = "paged"
+    # Paged: the share of device memory total use may reach while generating (trainer state and engine
+    # weights included); kv_cache_memory_bytes (bytes a device) overrides it
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    free_cache_engine: bool = True  # release the KV pool after each rollout (the update gets the memory)
+    max_num_seqs: int = 1024  # paged: rows decoded together at most
+    max_num_batched_tokens: int = 8192  # paged: prompt tokens one prefill call processes at most
+    page_size: int = 16  # paged: tokens a KV page holds
+    max_batch_size: int = 1024  # dense: response rows decoded together
     # JAX engine's decode attention: "xla" (every cache slot), "pallas" (a kernel that reads only each
     # row's valid slots; kernels/decode_attention.py), "auto" (the kernel on GPUs, XLA elsewhere)
     decode_attention: str = "auto"
@@ -113,6 +124,16 @@ class RolloutConfig:
         _check(not self.weights_dir or os.path.isdir(self.weights_dir), "rollout.weights_dir",
                f"{self.weights_dir!r} is not a directory; give an existing one ('/dev/shm' on one host, a shared "
                "file system across hosts) or '' for <run_dir>/weights")
+        _check(self.kv_cache in ("paged", "dense"), "rollout.kv_cache", f"{self.kv_cache!r}; use 'paged' or 'dense'")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "rollout.gpu_memory_utilization",
+               f"{self.gpu_memory_utilization} is not a fraction in (0, 1]")
+        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "rollout.kv_cache_memory_bytes",
+               f"{self.kv_cache_memory_bytes}; give a positive byte count or None")
+        _check(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "rollout.page_size",
+               f"{self.page_size} is not a power of two")
+        _check(self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 16,
+               "rollout.max_num_seqs / max_num_batched_tokens",
+               "need max_num_seqs >= 1 and max_num_batched_tokens >= 16")
         _check(self.decode_attention in ("auto", "xla", "pallas"), "rollout.decode_attention",
                f"{self.decode_attention!r}; use 'auto', 'xla' or 'pallas'")
         _check(isinstance(self.n, int) and self.n >= 1, "rollout.n", f"n={self.n}; need n >= 1")

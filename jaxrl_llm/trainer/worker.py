@@ -28,7 +28,7 @@ from jaxrl_llm.algorithms import (
 from jaxrl_llm.models import Qwen2Config, graphdef_and_abstract_params, init_params, load_params, param_shardings
 from jaxrl_llm.models.config import PRESETS
 from jaxrl_llm.models.hf_io import is_critic_checkpoint
-from jaxrl_llm.rollout import JaxEngine, RolloutBatch, SamplingParams
+from jaxrl_llm.rollout import RolloutBatch, SamplingParams, make_jax_engine
 from jaxrl_llm.trainer import steps
 from jaxrl_llm.trainer.batch import (
     PackShape,
@@ -151,10 +151,8 @@ class TrainerWorker:
         self._cast_for_pool = None
         self.engine = None
         if run.rollout.engine == "jax":
-            self.engine = JaxEngine(self.cfg, self.actor_state["params"], mesh=self.mesh, dtype=self.cfg.dtype,
-                                    max_prompt_length=run.data.max_prompt_length,
-                                    max_batch_size=run.rollout.max_batch_size,
-                                    decode_attention=run.rollout.decode_attention)
+            self.engine = make_jax_engine(self.cfg, self.actor_state["params"], self.mesh, rollout=run.rollout,
+                                          max_prompt_length=run.data.max_prompt_length)
 
     # ---- construction ----------------------------------------------------------------------------
     def _auto_remat(self) -> str:

@@ -8,7 +8,7 @@ import pytest
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models import load_hf, split_model
-from jaxrl_llm.rollout import JaxEngine, SamplingParams
+from jaxrl_llm.rollout import DenseJaxEngine, JaxEngine, SamplingParams
 from jaxrl_llm.rollout import decode as decode_lib
 from kernels.decode_attention import decode_attention, decode_attention_reference
 from tests.hf_models import make_hf_model
@@ -133,7 +133,7 @@ def test_greedy_generation_with_the_kernel_equals_xla(model, mesh_shape):
     caps = [12, 2, 2, 5, 2, 2, 3, 9]  # 3 rows live after 4 steps: the batch compacts from 8 to 4
     outs = {}
     for impl in ("xla", "pallas"):
-        engine = JaxEngine(model.cfg, params, dtype="float32", prompt_bucket=8, gen_bucket=4, mesh=mesh,
+        engine = DenseJaxEngine(model.cfg, params, dtype="float32", prompt_bucket=8, gen_bucket=4, mesh=mesh,
                            decode_attention=impl)
         engine.trace = True
         outs[impl] = engine.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
@@ -170,7 +170,7 @@ def test_grpo_step_with_the_kernel_equals_xla(tmp_path):
 def test_auto_picks_the_kernel_on_gpus_where_its_shapes_allow(monkeypatch, model):
     """'auto' is XLA off GPU; on a GPU the kernel unless the cache blocks or the head dim rule it out,
     where an explicit 'pallas' fails at build time with what to change."""
-    from jaxrl_llm.rollout.jax_engine import _resolve_decode_attention as resolve
+    from jaxrl_llm.rollout.dense_engine import _resolve_decode_attention as resolve
 
     cfg = model.cfg
     assert resolve("auto", cfg, 32, 128) == "xla"  # CPU

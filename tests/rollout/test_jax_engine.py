@@ -1,4 +1,4 @@
-"""The JAX sampler: HF-identical greedy output, exact logprobs, seeds, and the sampling distribution."""
+"""The JAX sampler (paged): HF-identical greedy output, exact logprobs, seeds, and the sampling distribution."""
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ def standard_init(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(hf_and_model):
     _, model = hf_and_model
-    return JaxEngine(model.cfg, split_model(model)[1], dtype="float32", prompt_bucket=8, gen_bucket=4)
+    return JaxEngine(model.cfg, split_model(model)[1], dtype="float32", page_size=4)
 
 
 def _hf_greedy(hf, prompt, max_new):
@@ -62,7 +62,7 @@ def test_sampler_logprobs_equal_teacher_forced_forward(hf_and_model, standard_in
     init (logits ~15x larger) leaves proportionally larger fp32 rounding."""
     model = standard_init if which == "standard" else hf_and_model[1]
     if which == "standard":
-        engine = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", prompt_bucket=8, gen_bucket=4)
+        engine = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", page_size=4)
     temp = 0.7
     out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=temp, top_k=20, max_new_tokens=9, seed=3))
     for r in range(len(out)):
@@ -121,7 +121,7 @@ FAMILIES = {
 def test_other_families_greedy_matches_transformers_and_logprobs_the_forward(tmp_path, name):
     hf = make_hf_model(tmp_path, vocab_size=96, initializer_range=0.3, eos_token_id=7, **FAMILIES[name])
     model = load_hf(tmp_path)
-    engine = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", prompt_bucket=8, gen_bucket=16)
+    engine = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", page_size=8)
     out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=30))
     for i, prompt in enumerate(PROMPTS):
         ref = _hf_greedy(hf, prompt, 30)
@@ -130,7 +130,7 @@ def test_other_families_greedy_matches_transformers_and_logprobs_the_forward(tmp
     assert max(len(p) + int(n) for p, n in zip(PROMPTS, out.lengths)) > LLAMA3_ROPE["original_max_position_embeddings"]
     # The family's extra weights (q/k norms) shard like the rest on a fsdp x tensor mesh.
     sharded = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", mesh=sharding.make_mesh(1, 4, 2),
-                        prompt_bucket=8, gen_bucket=16)
+                        page_size=8)
     np.testing.assert_array_equal(sharded.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=30)).tokens,
                                   out.tokens)
 
@@ -147,12 +147,17 @@ def test_other_families_greedy_matches_transformers_and_logprobs_the_forward(tmp
         np.testing.assert_allclose(out.logprobs[r, : len(resp)], logp[r, pos, np.asarray(resp)], atol=5e-5, rtol=0)
 
 
-def test_segments_and_chunks_do_not_change_greedy_output(hf_and_model):
+def test_segments_slots_and_chunks_do_not_change_output(hf_and_model):
+    """Short segments, few slots (rows wait and refill them), one-token pages and small prefill calls give
+    the same tokens as one big batch: every row keeps its own random stream."""
     _, model = hf_and_model
     params = split_model(model)[1]
-    sp = SamplingParams(temperature=0.0, max_new_tokens=17, n=2)
-    one = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=32).generate(PROMPTS, sp)
-    many = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=2, max_batch_size=2).generate(PROMPTS, sp)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=17, n=2, seed=2)
+    one = JaxEngine(model.cfg, params, dtype="float32").generate(PROMPTS, sp)
+    eng = JaxEngine(model.cfg, params, dtype="float32", page_size=1, max_num_seqs=3, max_segment=2,
+                    max_num_batched_tokens=16)
+    many = eng.generate(PROMPTS, sp)
+    assert eng.last_stats["segments"] > 8 and eng.last_stats["admitted"] == 8
     np.testing.assert_array_equal(one.tokens, many.tokens)
     np.testing.assert_allclose(one.logprobs, many.logprobs, atol=2e-5)
 
@@ -160,7 +165,7 @@ def test_segments_and_chunks_do_not_change_greedy_output(hf_and_model):
 def test_sharded_engine_matches_single_device(hf_and_model, engine):
     _, model = hf_and_model
     mesh = sharding.make_mesh(1, 4, 2)
-    sharded = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", mesh=mesh, prompt_bucket=8)
+    sharded = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", mesh=mesh, page_size=4)
     sp = SamplingParams(temperature=0.0, max_new_tokens=10, n=2)
     np.testing.assert_array_equal(sharded.generate(PROMPTS, sp).tokens, engine.generate(PROMPTS, sp).tokens)
     qkv = sharded.params["layers"][0]["qkv_w"]  # fused [D, (N + 2K) H]
@@ -211,98 +216,3 @@ def test_per_row_budgets_cap_each_response(engine):
         assert out.response_ids(r) == full.response_ids(r)[:cap]
     with pytest.raises(RolloutError, match="need len"):
         engine.generate(PROMPTS, sp, max_new_tokens_per_row=[3, 4])
-
-
-def test_compacting_finished_rows_keeps_outputs(hf_and_model):
-    """Rows that stop early leave the running batch; every response still comes back whole, and
-    (per-row random streams) sampled exactly as without compaction or chunking."""
-    _, model = hf_and_model
-    params = split_model(model)[1]
-    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=4)
-    caps = [20, 2, 2, 2, 2, 2, 2, 2, 3, 2, 2, 2, 2, 2, 2, 17]  # 2 long rows: the batch shrinks to 2
-    small = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=2)
-    big = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=32, max_batch_size=4)  # no compaction
-    a = small.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
-    b = big.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
-    np.testing.assert_array_equal(a.lengths, caps)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
-
-
-def test_data_parallel_compaction_matches_one_device(hf_and_model):
-    """On a data x fsdp x tensor mesh every shard compacts its own rows; outputs equal one device's."""
-    _, model = hf_and_model
-    params = split_model(model)[1]
-    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=4)
-    caps = [20, 2, 2, 2, 2, 2, 2, 2, 3, 2, 2, 2, 2, 2, 2, 17]  # shards 0 and 3 keep one live row each
-    mesh = sharding.make_mesh(2, 2, 2)
-    sharded = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=2, mesh=mesh)
-    sharded.trace = True
-    a = sharded.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
-    assert [r["rows"] for r in sharded.last_trace if r["phase"] == "compact"] == [4]
-    b = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=32, max_batch_size=4).generate(
-        PROMPTS, sp, max_new_tokens_per_row=caps)
-    np.testing.assert_array_equal(a.lengths, caps)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
-
-
-def test_compaction_program_moves_no_data_between_devices():
-    from jaxrl_llm.rollout import decode
-
-    mesh = sharding.make_mesh(2, 2, 2)
-    rows, shards = 16, 4
-    batch = lambda *shape: jax.device_put(jnp.zeros((rows, *shape)), sharding.named_sharding(
-        mesh, ("batch",) + (None,) * len(shape), (rows, *shape)))
-    cache = jax.device_put(jnp.zeros((rows, 2, 12, 8)), sharding.named_sharding(
-        mesh, ("batch", "act_kv_heads", None, None), (rows, 2, 12, 8)))
-    state = {"done": batch().astype(bool), "tokens": batch(20), "t": jnp.int32(3)}
-    sel = np.array([[0], [1], [2], [3]], np.int32)
-    with jax.set_mesh(mesh):
-        fn = jax.jit(lambda st, c, s, f: decode.compact(st, c, s, sel, f, 16, shards=shards))
-        hlo = fn.lower(state, [(cache, cache)], batch().astype(jnp.int32), np.zeros(shards, bool)).compile().as_text()
-    for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
-        assert op not in hlo, op
-
-
-def test_batches_with_other_prompt_lengths_reuse_compiled_programs(hf_and_model):
-    """The prompt region is a traced value: a batch with longer prompts in the same capacity step
-    compiles only its prefill (the decode, growth and sampling programs are reused)."""
-    _, model = hf_and_model
-    eng = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", prompt_bucket=8, gen_bucket=32)
-    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, ignore_eos=True)
-    compiles = []
-
-    def listener(event, duration, **_):
-        if event.endswith("backend_compile_duration"):
-            compiles.append(_.get("fun_name", "?"))
-
-    eng.generate([[5, 6, 7], [8, 9]], sp)  # prompt slots 8
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        out = eng.generate([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [8, 9]], sp)  # prompt slots 16
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert out.lengths.tolist() == [10] * 4
-    assert [c.removeprefix("jit(").rstrip(")") for c in compiles] == ["_prefill"]
-
-
-def test_compaction_between_growths_keeps_outputs(hf_and_model):
-    """With `compact_every`, rows leave as soon as the live ones fit a smaller power of two, without
-    waiting for the cache to fill; outputs equal a run that never compacts."""
-    _, model = hf_and_model
-    params = split_model(model)[1]
-    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=4)
-    caps = [20, 2, 2, 2, 2, 2, 2, 2, 9, 2, 2, 2, 2, 2, 2, 17]
-    eng = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=32, compact_every=4)
-    eng.trace = True
-    a = eng.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
-    phases = [(r["phase"], r["rows"]) for r in eng.last_trace if r["phase"] != "decode"]
-    assert phases == [("prefill", 16), ("compact", 4), ("compact", 2), ("compact", 1)]  # checks at t = 5, 9, 17
-    never = JaxEngine(model.cfg, params, dtype="float32", gen_bucket=32, compact_every=0)
-    never.trace = True
-    b = never.generate(PROMPTS, sp, max_new_tokens_per_row=caps)
-    assert [r["phase"] for r in never.last_trace] == ["prefill", "decode"]
-    np.testing.assert_array_equal(a.lengths, caps)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)

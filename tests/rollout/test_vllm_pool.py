@@ -96,7 +96,7 @@ def _updated_setup(root, pool_future, *, tied, seed):
     """Runs the trainer's two checkpointed updates through a pool and a JAX engine."""
     model = load_hf(root / "hf")
     graphdef, (params1, params2) = _train_two_steps(model, seed=seed)
-    engine = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", prompt_bucket=16, gen_bucket=16)
+    engine = JaxEngine(model.cfg, split_model(model)[1], dtype="float32")
     before = engine.generate(PROMPTS, GREEDY)
     pool = pool_future.result()
     before_vllm = pool.generate(PROMPTS, GREEDY)

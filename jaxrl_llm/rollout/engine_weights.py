@@ -1,0 +1,149 @@
+"""What both JAX engines (paged and dense) share: the engine's weights and how a request becomes a decode spec.
+
+Weight sync is in memory: the trainer's params are cast and resharded to the engine layout
+(`sharding.ENGINE_RULES`: replicated over data/fsdp, split over tensor) by one jitted function.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+from jaxrl_llm import distributed, sharding
+from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.params import param_shardings
+from jaxrl_llm.rollout import decode
+from jaxrl_llm.rollout.base import SamplingParams
+
+
+def resolve_decode_attention(impl: str, supported: bool, why: str) -> str:
+    """"xla" or "pallas" for an engine's `decode_attention` ("auto": the kernel on a GPU where
+    `supported`); the kernel's shape limits are checked where the engine is built."""
+    if impl not in ("auto", "xla", "pallas"):
+        raise ValueError(f"decode_attention must be 'auto', 'xla' or 'pallas', got {impl!r}")
+    if impl == "xla" or jax.default_backend() != "gpu":
+        return "xla" if impl == "auto" else impl
+    if supported:
+        return "pallas"
+    if impl == "auto":
+        return "xla"
+    raise ValueError(f"decode_attention='pallas' on GPU needs {why}; use 'xla' or 'auto'")
+
+
+class EngineWeights:
+    """The engine's compute-dtype weights on its mesh, and the helpers every JAX engine uses."""
+
+    def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
+                 max_prompt_length: int = 1024):
+        self.cfg = cfg.replace(dtype=dtype, param_dtype=dtype, remat="none", attention_impl="xla")
+        self.mesh = mesh
+        self.max_prompt_length = max_prompt_length
+        self.version = 0
+        self._dp = sharding.data_parallel_size(mesh) if mesh is not None else 1
+        self._shardings = self._engine_shardings()
+        self._convert = jax.jit(self._to_engine, out_shardings=self._shardings)
+        self.params = None
+        if params is not None:
+            self.update_weights(params)
+
+    def _engine_shardings(self):
+        cfg, mesh = self.cfg, self.mesh
+        shapes = jax.eval_shape(lambda layer: decode.engine_layer(layer, jnp.dtype(cfg.dtype)), _abstract_layer(cfg))
+
+        def sh(axes, shape):
+            if mesh is None:
+                return SingleDeviceSharding(jax.devices()[0])
+            return sharding.named_sharding(mesh, axes, shape, rules=sharding.ENGINE_RULES)
+
+        layer = {k: sh(decode.ENGINE_LAYER_AXES[k], v.shape) for k, v in shapes.items()}
+        return {
+            "embed": sh(("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size)),
+            "layers": [layer] * cfg.num_hidden_layers,
+            "norm": sh(("norm",), (cfg.hidden_size,)),
+            "head": sh(("embed", "vocab"), (cfg.hidden_size, cfg.vocab_size)),
+        }
+
+    def _to_engine(self, params):
+        dt = jnp.dtype(self.cfg.dtype)
+        m = params["model"]
+        layers = [decode.engine_layer(jax.tree.map(lambda x, i=i: x[i], m["layers"]), dt)
+                  for i in range(self.cfg.num_hidden_layers)]
+        embed = m["embed_tokens"]["embedding"].astype(dt)
+        head = embed.T if self.cfg.tie_word_embeddings else params["lm_head"]["kernel"].astype(dt)
+        return {"embed": embed, "layers": layers, "norm": m["norm"]["weight"].astype(dt), "head": head}
+
+    def update_weights(self, params, *, step: int | None = None) -> int:
+        """Casts and reshards trainer params into the engine layout, in device memory."""
+        engine_devices = set(self.mesh.devices.flat) if self.mesh is not None else {jax.devices()[0]}
+        if any(set(x.sharding.device_set) != engine_devices for x in jax.tree.leaves(params)):
+            # Trainer and engine on different devices: one device-to-device transfer into the
+            # trainer-style layout on the engine's devices, then the same conversion.
+            params = jax.device_put(params, param_shardings(self.cfg, self.mesh))
+        with self._mesh_ctx():
+            self.params = self._convert(params)
+        self.version = self.version + 1 if step is None else step
+        return self.version
+
+    def _mesh_ctx(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else _null_ctx()
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """A host array (the same on every process) split over the engine's data-parallel devices."""
+        return distributed.put(x, self._batch_sharding(x.ndim))
+
+    def _put_replicated(self, x: np.ndarray) -> jax.Array:
+        if self.mesh is None:
+            return jax.device_put(np.asarray(x), SingleDeviceSharding(jax.devices()[0]))
+        return distributed.put(x, sharding.replicated(self.mesh))
+
+    def _batch_sharding(self, ndim):
+        if self.mesh is None:
+            return SingleDeviceSharding(jax.devices()[0])
+        return NamedSharding(self.mesh, sharding.logical_to_spec(("batch",) + (None,) * (ndim - 1),
+                                                                 None, self.mesh))
+
+    def _spec(self, sampling: SamplingParams, attention: str) -> decode.DecodeSpec:
+        stops = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.cfg.eos_token_ids)
+        return decode.DecodeSpec(
+            num_layers=self.cfg.num_hidden_layers, num_heads=self.cfg.num_attention_heads,
+            num_kv_heads=self.cfg.num_key_value_heads, head_dim=self.cfg.head_dim, rope_theta=self.cfg.rope_theta,
+            rope_scaling=self.cfg.rope_scaling, rms_norm_eps=self.cfg.rms_norm_eps,
+            temperature=float(sampling.temperature),
+            top_k=max(0, int(sampling.top_k)), top_p=float(sampling.top_p), stop_ids=tuple(sorted(set(stops))),
+            pad_id=self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0,
+            max_new_tokens=int(sampling.max_new_tokens), attention=attention)
+
+    @property
+    def pad_id(self) -> int:
+        return self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0
+
+
+def row_budgets(max_new_tokens_per_row, rows: int, max_new_tokens: int) -> np.ndarray:
+    """[rows] per-response token caps (vLLM's per-request max_tokens), each in [1, max_new_tokens]."""
+    from jaxrl_llm.rollout.base import RolloutError
+
+    if max_new_tokens_per_row is None:
+        return np.full(rows, max_new_tokens, np.int32)
+    out = np.clip(np.asarray(max_new_tokens_per_row, np.int32), 1, max_new_tokens)
+    if out.shape != (rows,):
+        raise RolloutError(f"max_new_tokens_per_row has {out.size} values; need len(prompts) * n = {rows}")
+    return out
+
+
+def _abstract_layer(cfg: Qwen2Config) -> dict:
+    """ShapeDtypeStructs of one unstacked trainer layer in the engine dtype."""
+    from jaxrl_llm.models.params import graphdef_and_abstract_params
+
+    _, abstract = graphdef_and_abstract_params(cfg)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], jnp.dtype(cfg.dtype)),
+                        abstract["model"]["layers"])
+
+
+class _null_ctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

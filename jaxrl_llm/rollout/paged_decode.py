@@ -1,0 +1,235 @@
+"""Prefill and decode over a paged KV pool, as pure functions of engine params (the paged sampler's device side).
+
+The pool is, per layer, K and V of shape [K, P, ps, H]: P pages of ps token slots. A row's position p
+lives in page tables[row, p // ps] at offset p % ps; the host (rollout/scheduler.py) owns the tables.
+Nothing here allocates, grows or copies a cache: a prefill chunk scatters its K/V into the row's pages,
+and a decode step scatters one token a row, then attends through the block table (the Pallas kernel
+in kernels/paged_attention.py, or an XLA gather of the table's pages).
+
+The decoder layer, the fused engine weights and the sampling are the dense sampler's
+(rollout/decode.py), so both engines compute the same tokens and log-probs.
+
+Glossary: S decode slots, B prefill rows, L prefill chunk length, W table width (pages), P pages,
+ps page size, K kv heads, N q heads, G = N // K, H head dim, D model, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as Pspec
+
+from jaxrl_llm import sharding
+from jaxrl_llm.models.qwen2 import _MASK_VALUE
+from jaxrl_llm.models.rope import rope_cos_sin
+from jaxrl_llm.rollout.decode import DecodeSpec, _final_logits, _is_stop, _layer
+from jaxrl_llm.rollout.sampling import sample_next, token_logprobs
+
+# [K, P, ps, H]: kv heads over "tensor", pages over the data-parallel axes (each shard owns a page range;
+# page ids in tables are local to the shard, and the pool ops below run per shard)
+POOL_AXES = ("act_kv_heads", "batch", None, None)
+
+
+def alloc_pool(num_pages: int, page_size: int, spec: DecodeSpec, dtype):
+    """Zeroed pools, list of (k, v) [K, P, ps, H] (zeros: a page never written holds finite values)."""
+    shape = (spec.num_kv_heads, num_pages, page_size, spec.head_dim)
+    z = lambda: sharding.constrain(jnp.zeros(shape, dtype), POOL_AXES)
+    return [(z(), z()) for _ in range(spec.num_layers)]
+
+
+def copy_pages(pool, src, dst):
+    """pool[:, dst] = pool[:, src] in every layer (copy on write), per shard.
+
+    src, dst: [shards, C] int32 page ids local to each shard (unused pairs are (0, 0): the scratch page).
+    """
+    def local(k, v, s, d):
+        s, d = s[0], d[0]
+        return k.at[:, d].set(k[:, s]), v.at[:, d].set(v[:, s])
+
+    return [_per_shard(local, (k, v, src, dst), ("pool", "pool", "rows", "rows"), ("pool", "pool"))
+            for k, v in pool]
+
+
+def _per_shard(fn, args, kinds, out_kinds):
+    """Runs `fn` on each device's shard (all mesh axes manual) under a mesh of several devices, else directly.
+
+    kinds name each argument's layout: "pool" [K, P, ps, H]; "heads" [S, T, N or K, H]; "rows" [S, ...]
+    (rows over the data axes, the rest whole).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return fn(*args)
+    pool_spec = None
+
+    def spec(kind, x):
+        nonlocal pool_spec
+        if kind == "pool":
+            pool_spec = sharding.logical_to_spec(POOL_AXES, x.shape, mesh)
+            return pool_spec
+        rows = sharding.logical_to_spec(("batch",), x.shape[:1], mesh)[0]
+        if kind == "heads":
+            return Pspec(rows, None, None, None)  # filled in below once the pool's head axis is known
+        return Pspec(rows, *([None] * (x.ndim - 1)))
+
+    in_specs = [spec(k, a) for k, a in zip(kinds, args)]
+    heads = pool_spec[0] if pool_spec is not None else None
+    in_specs = [Pspec(sp[0], None, heads, None) if k == "heads" else sp for k, sp in zip(kinds, in_specs)]
+    outs = {"pool": pool_spec, "heads": Pspec(in_specs[0][0], None, heads, None)}
+    out_specs = tuple(outs[k] for k in out_kinds) if isinstance(out_kinds, tuple) else outs[out_kinds]
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)(*args)
+
+
+def _write(pages, new, page, off):
+    """Scatters new [B, T, K, H] into pages [K, P, ps, H] at (page, off) [B, T]."""
+    return pages.at[:, page, off].set(new.transpose(2, 0, 1, 3).astype(pages.dtype))
+
+
+def _gather(pages, tables):
+    """pages [K, P, ps, H], tables [B, W] -> the rows' slots [B, K, W ps, H] in position order."""
+    k, _, ps, h = pages.shape
+    b, w = tables.shape
+    g = pages[:, tables]  # [K, B, W, ps, H]
+    return g.transpose(1, 0, 2, 3, 4).reshape(b, k, w * ps, h)
+
+
+def _attend(q, kg, vg, mask):
+    """q [B, T, N, H] against gathered K/V [B, K, C, H] under mask [B, T, C] -> [B, T, N, H]."""
+    b, t, n, h = q.shape
+    kh = kg.shape[1]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    s = jnp.einsum("btkgh,bkch->bkgtc", qg, kg.astype(q.dtype), preferred_element_type=jnp.float32)
+    s = jnp.where(mask[:, None, None], s * (h ** -0.5), _MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgtc,bkch->btkgh", p, vg.astype(q.dtype))
+    return out.reshape(b, t, n, h)
+
+
+def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, *, spec: DecodeSpec):
+    """Writes the K/V of a chunk of each row's context into its pages.
+
+    Row b's tokens ids[b, :length[b]] sit at positions start[b] .. start[b] + length[b] - 1; they attend
+    to every earlier position of the row (pages written by earlier chunks, or shared prompt pages) and
+    causally to each other. No logits: the last context token is fed by the first decode step.
+
+    Args:
+      pool: list of (k, v) [K, P, ps, H] (donated by the caller's jit).
+      ids: [B, L] int32; tables: [B, Wc] int32 covering positions < start + length.
+      start, length, scratch: [B] int32 (scratch: the page that padding tokens write into).
+    Returns:
+      the pool.
+    """
+    b, length_ = ids.shape
+    ps = pool[0][0].shape[2]
+    wc = tables.shape[1]
+    offs = jnp.arange(length_, dtype=jnp.int32)
+    positions = start[:, None] + offs[None, :]  # [B, L]
+    real = offs[None, :] < length[:, None]
+    page = jnp.take_along_axis(tables, jnp.clip(positions // ps, 0, wc - 1), axis=1)
+    page = jnp.where(real, page, scratch[:, None])
+    off = positions % ps
+    key_pos = jnp.arange(wc * ps, dtype=jnp.int32)
+    mask = (key_pos[None, None, :] <= positions[:, :, None]) & real[:, :, None]  # [B, L, Wc ps]
+    cos, sin = rope_cos_sin(positions, spec.inv_freq())
+    x = jnp.take(eparams["embed"], ids, axis=0)
+    new = []
+    for lp, (kp, vp) in zip(eparams["layers"], pool):
+
+        def attend(q, k, v, kp=kp, vp=vp):
+            def local(q, k, v, kp, vp, tables, page, off, mask):
+                kp, vp = _write(kp, k, page, off), _write(vp, v, page, off)
+                return _attend(q, _gather(kp, tables), _gather(vp, tables), mask), kp, vp
+
+            out, kp, vp = _per_shard(local, (q, k, v, kp, vp, tables, page, off, mask),
+                                     ("heads", "heads", "heads", "pool", "pool", "rows", "rows", "rows", "rows"),
+                                     ("heads", "pool", "pool"))
+            return out, (kp, vp)
+
+        x, kv = _layer(lp, x, cos, sin, attend, spec)
+        new.append(kv)
+    return new
+
+
+def _sample_rows(logits, row_keys, t, spec: DecodeSpec):
+    """One token per row; row r draws from fold_in(row_keys[r], t[r]) (the dense sampler's stream)."""
+    keys = jax.vmap(jax.random.fold_in)(row_keys, t)
+    draw = lambda k, lg: sample_next(lg[None], k, temperature=spec.temperature, top_k=spec.top_k,
+                                     top_p=spec.top_p)[0]
+    return jax.vmap(draw)(keys, logits)
+
+
+def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, scratch, key, seg_len, stop_free,
+                   *, spec: DecodeSpec, max_seg: int):
+    """Decodes up to `seg_len` steps for every active slot, or until `stop_free` slots are free.
+
+    A step feeds each slot's pending token (writing its K/V at `pos`) and samples token `t`.
+
+    Args:
+      pool: list of (k, v) [K, P, ps, H] (donated).
+      tables: [S, W] int32 block tables; pos, last, t, row_max: [S] int32; active: [S] bool;
+      rids: [S] int32 response ids (seed each row's stream); scratch: [S] int32 the slot's scratch page;
+      key: the request's PRNG key; seg_len, stop_free: int32 scalars (seg_len <= max_seg).
+    Returns:
+      (pool, out) with out = dict(tokens [S, max_seg], logps [S, max_seg], count [S], active [S], steps).
+    """
+    s = tables.shape[0]
+    ps = pool[0][0].shape[2]
+    w = tables.shape[1]
+    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, rids)
+    key_pos = jnp.arange(w * ps, dtype=jnp.int32)
+
+    def cond(c):
+        st, _ = c
+        free = jnp.sum(~st["active"])
+        return (st["step"] < seg_len) & jnp.any(st["active"]) & (free < stop_free)
+
+    def body(c):
+        st, pl = c
+        act = st["active"]
+        p = st["pos"]
+        page = jnp.where(act, jnp.take_along_axis(tables, jnp.clip(p // ps, 0, w - 1)[:, None], axis=1)[:, 0],
+                         scratch)[:, None]  # [S, 1]
+        off = (p % ps)[:, None]
+        cos, sin = rope_cos_sin(p[:, None], spec.inv_freq())
+        lengths = jnp.where(act, p + 1, 0)
+        mask = (key_pos[None, None, :] <= p[:, None, None]) & act[:, None, None]  # [S, 1, W ps]
+        x = jnp.take(eparams["embed"], st["last"][:, None], axis=0)  # [S, 1, D]
+        new = []
+        for lp, (kp, vp) in zip(eparams["layers"], pl):
+
+            def attend(q, k, v, kp=kp, vp=vp):
+                def local(q, k, v, kp, vp, tables, page, off, mask, lengths):
+                    kp, vp = _write(kp, k, page, off), _write(vp, v, page, off)
+                    if spec.attention == "pallas":
+                        from kernels.paged_attention import paged_decode_attention  # the repo's kernels/
+
+                        return paged_decode_attention(q[:, 0], kp, vp, tables, lengths)[:, None], kp, vp
+                    return _attend(q, _gather(kp, tables), _gather(vp, tables), mask), kp, vp
+
+                out, kp, vp = _per_shard(local, (q, k, v, kp, vp, tables, page, off, mask, lengths),
+                                         ("heads", "heads", "heads", "pool", "pool", "rows", "rows", "rows", "rows",
+                                          "rows"), ("heads", "pool", "pool"))
+                return out, (kp, vp)
+
+            x, kv = _layer(lp, x, cos, sin, attend, spec)
+            new.append(kv)
+        logits = _final_logits(eparams, x[:, 0], spec)  # [S, V]
+        tok = _sample_rows(logits, row_keys, st["t"], spec)
+        logp = token_logprobs(logits, tok, temperature=spec.temperature)
+        tok = jnp.where(act, tok, spec.pad_id)
+        logp = jnp.where(act, logp, 0.0)
+        stop = _is_stop(tok, spec.stop_ids) | (st["t"] + 1 >= row_max)
+        inc = act.astype(jnp.int32)
+        st = dict(step=st["step"] + 1, active=act & ~stop, pos=p + inc, t=st["t"] + inc,
+                  last=jnp.where(act, tok, st["last"]), count=st["count"] + inc,
+                  tokens=jax.lax.dynamic_update_index_in_dim(st["tokens"], tok, st["step"], axis=1),
+                  logps=jax.lax.dynamic_update_index_in_dim(st["logps"], logp, st["step"], axis=1))
+        return st, new
+
+    st = dict(step=jnp.asarray(0, jnp.int32), active=active, pos=pos, t=t, last=last,
+              count=jnp.zeros((s,), jnp.int32), tokens=jnp.full((s, max_seg), spec.pad_id, jnp.int32),
+              logps=jnp.zeros((s, max_seg), jnp.float32))
+    st, pool = jax.lax.while_loop(cond, body, (st, list(pool)))
+    return pool, dict(tokens=st["tokens"], logps=st["logps"], count=st["count"], active=st["active"],
+                      steps=st["step"])

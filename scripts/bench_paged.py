@@ -1,0 +1,137 @@
+"""The paged sampler against the dense one on one GPU: generation alone at the seed run's per-GPU share.
+
+    python scripts/bench_paged.py --out $OUT --presets qwen2p5_7b,qwen3_8b --engines dense,paged
+    python scripts/bench_paged.py --out $OUT --sections long --presets qwen2p5_1p5b
+
+* gen: 128 GSM8K prompts x 5 per repeat (each repeat the next prompts, as each training step), response
+  lengths drawn to the seed run's distribution (mean 232, max 1,024), sampled at temperature 1 with EOS
+  off so every row runs to its drawn length. Repeat 0 compiles; later repeats report compile time apart.
+  Each (preset, engine) runs in its own process, so its device peak is its own.
+* long: 64 prompts x 5 with a heavy tail of response lengths up to 16,384 (paged only).
+
+Rows: seconds, compile seconds, tokens/s, row-steps (slots x decode steps) per token, the device's peak
+bytes against the budget (gpu_memory_utilization x the allocator's limit), and the pool's statistics.
+Random weights (init_params): the work's shape is the model's, the tokens are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+OUT_FILE: str | None = None
+
+
+def emit(**row):
+    line = json.dumps(row)
+    print(line, flush=True)
+    if OUT_FILE:
+        with open(OUT_FILE, "a") as f:
+            f.write(line + "\n")
+
+
+def long_lengths(n: int, seed: int = 0, cap: int = 16384) -> np.ndarray:
+    """A heavy tail: most responses a few hundred tokens, a few past 8k, one at the cap."""
+    rng = np.random.default_rng(seed)
+    lens = np.clip(np.round(rng.pareto(1.1, size=n) * 300 + 64), 64, cap).astype(np.int32)
+    lens[0] = cap
+    return lens
+
+
+def one(preset: str, engine: str, section: str, repeats: int, attention: str, max_num_seqs: int):
+    import jax
+
+    from jaxrl_llm.models import init_params
+    from jaxrl_llm.models.config import PRESETS
+    from jaxrl_llm.rollout import DenseJaxEngine, JaxEngine, SamplingParams
+    from jaxrl_llm.rollout.page_pool import device_memory
+    from scripts.bench_common import gsm8k_prompts, seed_response_lengths
+
+    compile_s = [0.0]
+
+    def on_duration(event, duration, **_):
+        if event.endswith("backend_compile_duration"):
+            compile_s[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    extra = {"max_position_embeddings": 32768} if preset == "tiny" else {}  # the CPU smoke test
+    cfg = PRESETS[preset](dtype="bfloat16", param_dtype="bfloat16", **extra)
+    params = init_params(cfg, seed=0)
+    jax.block_until_ready(params)
+    n_prompts, n = (128, 5) if section == "gen" else (64, 5)
+    prompts_all = gsm8k_prompts(n_prompts * (repeats + 1), vocab_size=cfg.vocab_size)
+    max_new = 1024 if section == "gen" else 16384
+    if engine == "dense":
+        eng = DenseJaxEngine(cfg, params, dtype="bfloat16", max_batch_size=4096, max_prompt_length=512,
+                             decode_attention=attention)
+    else:
+        eng = JaxEngine(cfg, params, dtype="bfloat16", max_prompt_length=512, decode_attention=attention,
+                        max_num_seqs=max_num_seqs)
+    eng.trace = engine == "dense"  # the dense engine counts its row-steps in its phase trace
+    params = None
+    sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
+    for rep in range(repeats + 1):
+        prompts = prompts_all[rep * n_prompts:(rep + 1) * n_prompts]
+        lens = (seed_response_lengths if section == "gen" else long_lengths)(n_prompts * n, seed=rep)
+        compile_s[0] = 0.0
+        t0 = time.perf_counter()
+        try:
+            out = eng.generate(prompts, sp.replace(seed=rep), max_new_tokens_per_row=lens)
+        except Exception as e:  # noqa: BLE001 (the row records the failure, e.g. out of memory)
+            emit(section=section, preset=preset, engine=engine, rep=rep, error=f"{type(e).__name__}: {str(e)[:300]}")
+            return
+        dt = time.perf_counter() - t0
+        assert np.array_equal(out.lengths, lens)
+        mem = device_memory()
+        stats = getattr(eng, "last_stats", {})
+        row_steps = stats["row_steps"] if engine == "paged" else sum(
+            r["rows"] * (r["t1"] - r["t0"]) for r in eng.last_trace if r["phase"] == "decode")
+        emit(section=section, preset=preset, engine=engine, attention=eng.decode_attention, rep=rep,
+             seconds=round(dt, 3), compile_s=round(compile_s[0], 3), tokens=int(lens.sum()),
+             tokens_per_s=round(float(lens.sum() / dt), 1),
+             row_steps_per_token=round(row_steps / lens.sum(), 3) if row_steps else None,
+             peak_gb=round(mem[2] / 1e9, 2) if mem else None, limit_gb=round(mem[0] / 1e9, 2) if mem else None,
+             budget_gb=round(0.9 * mem[0] / 1e9, 2) if mem and engine == "paged" else None,
+             **{f"kv_{k}": v for k, v in stats.items() if k in (
+                 "num_pages", "kv_bytes", "preemptions", "segments", "prefill_calls", "shared_pages", "copies",
+                 "workspace_bytes")})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/paged_out"))
+    ap.add_argument("--presets", default="qwen2p5_7b")
+    ap.add_argument("--engines", default="dense,paged")
+    ap.add_argument("--sections", default="gen")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--max_num_seqs", type=int, default=1024)
+    ap.add_argument("--one", nargs=3, metavar=("PRESET", "ENGINE", "SECTION"), help="(internal) one process's run")
+    args = ap.parse_args()
+    global OUT_FILE
+    os.makedirs(args.out, exist_ok=True)
+    OUT_FILE = os.path.join(args.out, "paged.jsonl")
+    if args.one:
+        one(*args.one, repeats=args.repeats, attention=args.attention, max_num_seqs=args.max_num_seqs)
+        return
+    for section in args.sections.split(","):
+        for preset in args.presets.split(","):
+            for engine in (args.engines.split(",") if section == "gen" else ["paged"]):
+                cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--one", preset, engine, section,
+                       "--repeats", str(args.repeats), "--attention", args.attention,
+                       "--max_num_seqs", str(args.max_num_seqs)]
+                rc = subprocess.run(cmd).returncode
+                if rc:
+                    emit(section=section, preset=preset, engine=engine, error=f"process exited {rc}")
+
+
+if __name__ == "__main__":
+    main()
