@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from jaxrl_llm import distributed
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.rollout import decode
-from jaxrl_llm.rollout.base import RolloutBatch, SamplingParams, check_prompts
+from jaxrl_llm.rollout.base import RolloutBatch, SamplingParams
 from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets
 
 log = logging.getLogger(__name__)
@@ -124,11 +124,7 @@ class DenseJaxEngine(EngineWeights):
         `max_new_tokens_per_row` optionally caps each response row (len(prompts) * n values, each
         <= sampling.max_new_tokens), like per-request budgets in vLLM.
         """
-        check_prompts(prompts, self.max_prompt_length, self.cfg.vocab_size, sampling,
-                      self.cfg.max_position_embeddings)
-        if self.params is None:
-            raise RuntimeError("JaxEngine has no weights; call update_weights(params) first")
-        spec = self._spec(sampling, self.decode_attention)
+        spec = self._request_spec(prompts, sampling)
         n = sampling.n
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         per_chunk = max(1, self.max_batch_size // n)

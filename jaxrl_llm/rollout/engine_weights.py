@@ -15,7 +15,7 @@ from jaxrl_llm import distributed, sharding
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.models.params import param_shardings
 from jaxrl_llm.rollout import decode
-from jaxrl_llm.rollout.base import SamplingParams
+from jaxrl_llm.rollout.base import SamplingParams, check_prompts
 
 
 def resolve_decode_attention(impl: str, supported: bool, why: str) -> str:
@@ -114,6 +114,14 @@ class EngineWeights:
             top_k=max(0, int(sampling.top_k)), top_p=float(sampling.top_p), stop_ids=tuple(sorted(set(stops))),
             pad_id=self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0,
             max_new_tokens=int(sampling.max_new_tokens), attention=attention)
+
+    def _request_spec(self, prompts, sampling: SamplingParams) -> decode.DecodeSpec:
+        """Checks a request before any work (one clear error per problem); returns its decode spec."""
+        check_prompts(prompts, self.max_prompt_length, self.cfg.vocab_size, sampling,
+                      self.cfg.max_position_embeddings)
+        if self.params is None:
+            raise RuntimeError(f"{type(self).__name__} has no weights; call update_weights(params) first")
+        return self._spec(sampling, self.decode_attention)
 
     @property
     def pad_id(self) -> int:

@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 from jaxrl_llm import distributed
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.rollout import paged_decode
-from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams, check_prompts
+from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets
 from jaxrl_llm.rollout.page_pool import KvBudget, PagePool, kv_bytes_per_token, pages_for, size_pool
 from jaxrl_llm.rollout.scheduler import PrefillTask, Row, Scheduler
@@ -201,11 +201,7 @@ class JaxEngine(EngineWeights):
         `max_new_tokens_per_row` optionally caps each response row (len(prompts) * n values, each
         <= sampling.max_new_tokens), like per-request budgets in vLLM.
         """
-        check_prompts(prompts, self.max_prompt_length, self.cfg.vocab_size, sampling,
-                      self.cfg.max_position_embeddings)
-        if self.params is None:
-            raise RuntimeError("JaxEngine has no weights; call update_weights(params) first")
-        spec = self._spec(sampling, self.decode_attention)
+        spec = self._request_spec(prompts, sampling)
         n = sampling.n
         row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, spec.max_new_tokens)
         rows = [Row(rid=i * n + j, prompt=i, ids=list(map(int, prompts[i])), max_tokens=int(row_max[i * n + j]))
