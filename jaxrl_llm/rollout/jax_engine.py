@@ -331,8 +331,6 @@ class JaxEngine(EngineWeights):
         slots = [r for shard in plan.slots for r in shard]
         s = len(slots)
         live = [r for r in slots if r is not None]
-        if self.decode_attention == "xla":  # gather only as many pages as the longest row holds
-            width = min(width, _pow2(max(len(r.pages) for r in live)))
         tables = np.zeros((s, width), np.int32)
         pos, last, t, row_max, rids = (np.zeros(s, np.int32) for _ in range(5))
         active = np.zeros(s, bool)

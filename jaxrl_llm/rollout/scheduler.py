@@ -13,8 +13,8 @@ segments the engine asks for a `Plan`:
    segment is shortened; when they do not cover one step, the newest rows are preempted (vLLM's
    recompute mode: their pages are freed and they wait again at the front of the queue, keeping the
    tokens they have; on readmission their prompt and tokens are prefilled again).
-3. **Slots**: running rows are packed into a bucket of slots per shard (powers of two up to 64, then
-   four steps per doubling: 64, 80, 96, 112, 128, 160, ...), so a segment's program comes from a fixed
+3. **Slots**: running rows are packed into a bucket of slots per shard (at least 32, then 64, then
+   four steps per doubling: 80, 96, 112, 128, 160, ...), so a segment's program comes from a fixed
    ladder of shapes, at most 25% of the slots are padding, and a batch whose rows finished runs smaller.
 
 A row's positions: its context is prompt + sampled tokens. All but the last context token are in
@@ -157,7 +157,7 @@ class Scheduler:
         slots = []
         for shard in range(self.pool.shards):
             rows = sorted(self.running[shard], key=lambda r: r.admitted)
-            width = min(self.slot_cap, slot_bucket(len(rows))) if rows else 1
+            width = min(self.slot_cap, max(MIN_SLOTS, slot_bucket(len(rows)))) if rows else 1
             slots.append(rows + [None] * (width - len(rows)))
         width = max(len(s) for s in slots)
         slots = [s + [None] * (width - len(s)) for s in slots]
@@ -166,7 +166,7 @@ class Scheduler:
         if self.waiting:  # refill as soon as a few slots free up (or pages come back)
             stop_free = empty + max(1, total // 16)
         else:  # no one waits: stop once the live rows fit the next smaller bucket
-            stop_free = total - len(slots) * slot_bucket_below(width) if width > 1 else total
+            stop_free = total - len(slots) * slot_bucket_below(width) if width > MIN_SLOTS else total
             # (shards holding fewer rows than the widest start with more free slots: never stop before a step)
             stop_free = max(stop_free, empty + 1)
         self.stats["preemptions"] += preempted
@@ -283,6 +283,11 @@ class Scheduler:
                 r.pages = []
                 out.append(r)
         return out
+
+
+# The smallest slot bucket: a decode step over 32 slots costs about what one over 1 does (the weights'
+# reads dominate, and empty slots read no K/V), and every bucket below it would be one more program to compile.
+MIN_SLOTS = 32
 
 
 def _first_write_shared(row: Row, pool: PagePool) -> bool:
