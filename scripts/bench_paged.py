@@ -46,7 +46,10 @@ def long_lengths(n: int, seed: int = 0, cap: int = 16384) -> np.ndarray:
     return lens
 
 
-def one(preset: str, engine: str, section: str, repeats: int, attention: str, max_num_seqs: int):
+def one(preset: str, engine: str, section: str, repeats: int, attention: str, max_num_seqs: int,
+        compile_cache: str | None = None, out_dir: str | None = None):
+    import logging
+
     import jax
 
     from jaxrl_llm.models import init_params
@@ -56,12 +59,30 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
     from scripts.bench_common import gsm8k_prompts, seed_response_lengths
 
     compile_s = [0.0]
+    events: dict[str, list[float]] = {}  # every jax duration event of the repeat: [count, seconds]
 
     def on_duration(event, duration, **_):
         if event.endswith("backend_compile_duration"):
             compile_s[0] += duration
+        e = events.setdefault(event.rsplit("/", 1)[-1], [0, 0.0])
+        e[0] += 1
+        e[1] += duration
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
+    log_handler = None
+    if compile_cache:
+        from jaxrl_llm.train import enable_compilation_cache
+        enable_compilation_cache(compile_cache)
+        # Per program: tracing, lowering and compile (or cache hit) times, to find what a warm cache misses.
+        jax.config.update("jax_log_compiles", True)
+        jax.config.update("jax_explain_cache_misses", True)
+        log_handler = logging.FileHandler(os.path.join(out_dir or ".", f"jaxlog_{preset}_{engine}_{section}.txt"))
+        log_handler.setFormatter(logging.Formatter("%(relativeCreated)d %(name)s %(message)s"))
+        for name in ("jax._src.dispatch", "jax._src.interpreters.pxla", "jax._src.compiler",
+                     "jax._src.compilation_cache", "jax._src.pjit"):
+            lg = logging.getLogger(name)
+            lg.setLevel(logging.DEBUG)
+            lg.addHandler(log_handler)
     extra = {"max_position_embeddings": 32768} if preset == "tiny" else {}  # the CPU smoke test
     cfg = PRESETS[preset](dtype="bfloat16", param_dtype="bfloat16", **extra)
     params = init_params(cfg, seed=0)
@@ -82,6 +103,9 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
         prompts = prompts_all[rep * n_prompts:(rep + 1) * n_prompts]
         lens = (seed_response_lengths if section == "gen" else long_lengths)(n_prompts * n, seed=rep)
         compile_s[0] = 0.0
+        events.clear()
+        if log_handler:
+            log_handler.stream.write(f"=== repeat {rep}\n")
         t0 = time.perf_counter()
         try:
             out = eng.generate(prompts, sp.replace(seed=rep), max_new_tokens_per_row=lens)
@@ -102,7 +126,9 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
              budget_gb=round(0.9 * mem[0] / 1e9, 2) if mem and engine == "paged" else None,
              **{f"kv_{k}": v for k, v in stats.items() if k in (
                  "num_pages", "kv_bytes", "preemptions", "segments", "prefill_calls", "shared_pages", "copies",
-                 "workspace_bytes")})
+                 "workspace_bytes")},
+             events={k: [v[0], round(v[1], 3)] for k, v in sorted(events.items())},
+             programs={k: round(v, 2) for k, v in getattr(getattr(eng, "_programs", None), "stats", {}).items()})
 
 
 def main():
@@ -114,13 +140,16 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--max_num_seqs", type=int, default=1024)
+    ap.add_argument("--compile_cache", default=None,
+                    help="a persistent compilation cache dir; also logs each program's trace/lower/compile times")
     ap.add_argument("--one", nargs=3, metavar=("PRESET", "ENGINE", "SECTION"), help="(internal) one process's run")
     args = ap.parse_args()
     global OUT_FILE
     os.makedirs(args.out, exist_ok=True)
     OUT_FILE = os.path.join(args.out, "paged.jsonl")
     if args.one:
-        one(*args.one, repeats=args.repeats, attention=args.attention, max_num_seqs=args.max_num_seqs)
+        one(*args.one, repeats=args.repeats, attention=args.attention, max_num_seqs=args.max_num_seqs,
+            compile_cache=args.compile_cache, out_dir=args.out)
         return
     for section in args.sections.split(","):
         for preset in args.presets.split(","):
@@ -128,6 +157,7 @@ def main():
                 cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--one", preset, engine, section,
                        "--repeats", str(args.repeats), "--attention", args.attention,
                        "--max_num_seqs", str(args.max_num_seqs)]
+                cmd += ["--compile_cache", args.compile_cache] if args.compile_cache else []
                 rc = subprocess.run(cmd).returncode
                 if rc:
                     emit(section=section, preset=preset, engine=engine, error=f"process exited {rc}")

@@ -86,6 +86,11 @@ class EngineWeights:
         self.version = self.version + 1 if step is None else step
         return self.version
 
+    def release_weights(self) -> None:
+        """Drops the engine's weights until the next `update_weights`, so the trainer's update has their memory
+        (buffers the trainer's params share stay alive through the trainer's references)."""
+        self.params = None
+
     def _mesh_ctx(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else _null_ctx()
 

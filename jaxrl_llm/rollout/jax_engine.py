@@ -39,7 +39,8 @@ from jaxrl_llm.rollout import paged_decode
 from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets
 from jaxrl_llm.rollout.page_pool import KvBudget, PagePool, kv_bytes_per_token, pages_for, size_pool
-from jaxrl_llm.rollout.scheduler import PrefillTask, Row, Scheduler
+from jaxrl_llm.rollout.programs import Programs, default_dir
+from jaxrl_llm.rollout.scheduler import MIN_SLOTS, PrefillTask, Row, Scheduler, slot_bucket
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,9 @@ class JaxEngine(EngineWeights):
         self._tensor = self.mesh.shape["tensor"] if self.mesh is not None and "tensor" in self.mesh.shape else 1
         self._pool = None
         self._budget: KvBudget | None = None
+        self._programs: Programs | None = None
         self.last_stats: dict = {}
+        self._programs_for()  # a warm cache's programs load while the caller does other work
 
     # ---- memory ------------------------------------------------------------------------------
     @property
@@ -193,6 +196,39 @@ class JaxEngine(EngineWeights):
         return paged_decode.decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, scratch, key,
                                            seg_len, stop_free, spec=spec, max_seg=self.max_segment)
 
+    def _program(self, name: str, *args, **static):
+        """The compiled program `name` for these inputs (see rollout/programs.py); call it with `args`."""
+        return self._programs_for().get(name, getattr(type(self), name), self, args, static)
+
+    def _programs_for(self) -> Programs:
+        """The engine's programs; built on first use, and loading those kept by an earlier run from then on."""
+        if self._programs is None:
+            devices = self.mesh.devices.flat if self.mesh is not None else jax.devices()[:1]
+            self._programs = Programs(self._fingerprint(), devices, default_dir())
+            self._programs.preload()
+        return self._programs
+
+    def _fingerprint(self) -> str:
+        mesh = None if self.mesh is None else (dict(self.mesh.shape), self.mesh.device_ids.tolist())
+        return repr((type(self).__name__, self.cfg, self.page_size, self.max_segment, self.decode_attention, mesh))
+
+    def _decode_args(self, pool, s: int, width: int, key, spec) -> tuple:
+        """Inputs of a decode segment over `s` slots (zeros; their shapes and shardings key the program)."""
+        z = self._put(np.zeros(s, np.int32))
+        return (self.params, pool, self._put(np.zeros((s, width), np.int32)), z, z, z, z,
+                self._put(np.zeros(s, bool)), z, z, key, np.int32(0), np.int32(0))
+
+    def _warm_decode(self, rows: int, num_pages: int, width: int, key, spec) -> None:
+        """Builds the decode programs of every slot bucket this call can reach, in parallel threads, before
+        the pool is allocated (so XLA's autotuning has the device's memory)."""
+        cap = max(1, self.max_num_seqs // self._dp)
+        top = min(cap, max(1, -(-rows // self._dp)))
+        widths = sorted({min(cap, max(MIN_SLOTS, slot_bucket(k))) for k in range(1, top + 1)})
+        pool = self._program("_alloc", num_pages=num_pages, spec=spec).out_info
+        items = [("_decode", type(self)._decode, self, self._decode_args(pool, w * self._dp, width, key, spec),
+                  {"spec": spec}) for w in widths]
+        self._programs_for().warm(items, context=self._mesh_ctx)
+
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                  max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
@@ -215,13 +251,15 @@ class JaxEngine(EngineWeights):
             if self._pool is None:
                 budget = self._size_pool(len(rows), longest, width)
             self._check_fits(budget, longest, len(longest_row.ids), longest_row.max_tokens)
+            key = jax.random.key(sampling.seed)
+            self._warm_decode(len(rows), budget.num_pages, width, key, spec)
             if self._pool is None:
-                self._pool, self._budget = self._alloc(num_pages=budget.num_pages, spec=spec), budget
+                self._pool = self._program("_alloc", num_pages=budget.num_pages, spec=spec)()
+                self._budget = budget
             pool = PagePool(budget.num_pages, self.page_size, self._dp)
             sched = Scheduler(pool, rows, max_num_seqs=self.max_num_seqs, max_seg=self.max_segment,
                               share_prompts=self.share_prompt_pages)
             stats = dict(segments=0, row_steps=0, decode_steps=0, prefill_calls=0)
-            key = jax.random.key(sampling.seed)
             try:
                 while not sched.done():
                     plan = sched.plan()
@@ -311,8 +349,9 @@ class JaxEngine(EngineWeights):
             pages = [self._local(pool, p) for p in task.pages[:ctx_pages]]
             tables[i, : len(pages)] = pages
             start[i], lens[i] = a, e - a
-        self._pool = self._prefill(self.params, self._pool, self._put(ids), self._put(tables), self._put(start),
-                                   self._put(lens), self._put(np.zeros(b, np.int32)), spec=spec)
+        args = (self.params, self._pool, self._put(ids), self._put(tables), self._put(start), self._put(lens),
+                self._put(np.zeros(b, np.int32)))
+        self._pool = self._program("_prefill", *args, spec=spec)(*args)
         return rest
 
     def _run_copies(self, copies: list[tuple[int, int]], pool: PagePool) -> None:
@@ -325,7 +364,8 @@ class JaxEngine(EngineWeights):
         for d, pairs in enumerate(per):
             for j, (s_, t_) in enumerate(pairs):
                 src[d, j], dst[d, j] = s_, t_
-        self._pool = self._copy(self._pool, self._put(src), self._put(dst))
+        args = (self._pool, self._put(src), self._put(dst))
+        self._pool = self._program("_copy", *args)(*args)
 
     def _run_segment(self, plan, sched: Scheduler, pool: PagePool, width: int, key, spec, stats: dict) -> None:
         slots = [r for shard in plan.slots for r in shard]
@@ -341,10 +381,10 @@ class JaxEngine(EngineWeights):
             tables[i, : len(pages)] = pages
             pos[i], last[i], t[i], row_max[i], rids[i] = r.context_len, r.pending, len(r.tokens), r.max_tokens, r.rid
             active[i] = True
-        self._pool, out = self._decode(
-            self.params, self._pool, self._put(tables), self._put(pos), self._put(last), self._put(t),
-            self._put(row_max), self._put(active), self._put(rids), self._put(np.zeros(s, np.int32)), key,
-            np.int32(plan.seg), np.int32(plan.stop_free), spec=spec)
+        args = (self.params, self._pool, self._put(tables), self._put(pos), self._put(last), self._put(t),
+                self._put(row_max), self._put(active), self._put(rids), self._put(np.zeros(s, np.int32)), key,
+                np.int32(plan.seg), np.int32(plan.stop_free))
+        self._pool, out = self._program("_decode", *args, spec=spec)(*args)
         out = distributed.fetch_tree(out)
         idx = [i for i, r in enumerate(slots) if r is not None]
         finished = ~out["active"][idx]

@@ -8,7 +8,8 @@ with a margin, else "full". The estimate counts, per device:
   actor      fp32 params, Adam's two moments and the gradient accumulator (4 x 4 bytes a param), sharded
   reference  compute-dtype params (2 bytes a param), sharded, unless offloaded to the host
   critic     like the actor (PPO)
-  engine     the sampler's compute-dtype weights, split over `tensor` only
+  engine     the sampler's compute-dtype weights, split over `tensor` only (none with rollout.free_cache_engine:
+             the worker drops them for the update and the sync rebuilds them)
   saved      per token and layer: the layer input ("full"), or every matmul output and the attention's
              output and statistics ("dots")
   working    one layer's recomputed activations and the vocab-chunked log-prob's [tokens, chunk] logits

@@ -164,7 +164,8 @@ class TrainerWorker:
         return choose_remat(self.cfg, tokens_per_device=tokens, param_shards=shape["fsdp"] * shape["tensor"],
                             tensor=shape["tensor"], ref=(run.actor.use_kl_loss or run.algo.use_kl_in_reward)
                             and not run.trainer.ref_offload, critic=run.algo.uses_critic,
-                            engine=run.rollout.engine == "jax", device_bytes=device_memory_bytes())
+                            engine=run.rollout.engine == "jax" and not run.rollout.free_cache_engine,
+                            device_bytes=device_memory_bytes())
 
     def _load_actor_params(self):
         m = self.run.model
@@ -453,6 +454,7 @@ class TrainerWorker:
         """PPO epochs x mini-batches of AdamW updates; `step` is the training step (for the LR)."""
         if self.bypass:  # veRL's bypass mode: the sampler's log-probs are the old ones
             batch.fields.setdefault("old_log_prob", batch.fields["rollout_log_probs"])
+        self._release_engine_weights()
         fields = ["advantages"] if self.on_policy else ["old_log_prob", "advantages"]
         if self.run.actor.use_kl_loss:
             fields.append("ref_log_prob")
@@ -483,7 +485,14 @@ class TrainerWorker:
         sel = self.cov_select(old, logp, sub.fields["advantages"], mask, key=key)
         sub.fields["token_select"] = np.asarray(distributed.fetch(sel), np.float32)
 
+    def _release_engine_weights(self) -> None:
+        """With rollout.free_cache_engine, the JAX engine's weight copy is dropped for the updates (the sync that
+        follows every actor update rebuilds it), like its KV pool after every rollout."""
+        if self.engine is not None and self.run.rollout.free_cache_engine:
+            self.engine.release_weights()
+
     def update_critic(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        self._release_engine_weights()
         self.critic_state, metrics = self._update(
             batch, state=self.critic_state, grad_fn=self.critic_grad, metrics0=self.critic_metrics0,
             zeros=self.critic_zeros, apply_fn=self.critic_apply, fields=["values", "returns"],

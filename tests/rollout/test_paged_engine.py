@@ -22,6 +22,7 @@ from jaxrl_llm.rollout import (
     jax_engine,
     page_pool,
     paged_decode,
+    programs,
 )
 from jaxrl_llm.rollout.page_pool import pages_for
 from jaxrl_llm.rollout.scheduler import Scheduler
@@ -314,6 +315,39 @@ def test_pool_stays_within_kv_cache_memory_bytes_and_is_kept_or_released(model, 
     assert keep._pool is None
     unbounded.generate([[1, 2]], GREEDY.replace(max_new_tokens=2))
     assert unbounded._pool is None and unbounded.last_stats["budget_source"] == "unbounded"
+
+
+# ---- compiled programs kept between processes ------------------------------------------------------
+
+
+def test_a_new_engine_loads_its_programs_from_disk(model, unbounded, reference, tmp_path, monkeypatch, caplog):
+    """With jax's persistent cache on, every program an engine compiles is also kept serialized, keyed without
+    tracing. A second engine of the same config in a new process (here: with the process's programs dropped)
+    loads them all, compiles none and samples the same tokens; in the same process it shares them; a damaged
+    file is rebuilt with a warning; another config compiles its own."""
+    monkeypatch.setattr(jax_engine, "default_dir", lambda: str(tmp_path))
+    programs.forget_held()
+    first = paged(model)
+    out = first.generate(PROMPTS, SAMPLED)
+    built = first._programs.stats["compiled"]
+    assert built >= 3 and first._programs.stats["loaded"] == 0  # alloc, prefill, decode at least
+    assert len(list(tmp_path.rglob("*.bin"))) == built
+    same_process = paged(model)
+    same_process.generate(PROMPTS, SAMPLED)
+    assert same_process._programs.stats == dict(compiled=0, loaded=0, compile_s=0.0, load_s=0.0)
+    programs.forget_held()
+    second = paged(model)
+    assert_same_outputs(second.generate(PROMPTS, SAMPLED), out, atol=0)
+    assert second._programs.stats["compiled"] == 0 and second._programs.stats["loaded"] == built
+    assert_same_outputs(out, reference(unbounded, SAMPLED), atol=0)
+    next(tmp_path.rglob("_decode-*.bin")).write_bytes(b"not an executable")
+    programs.forget_held()
+    third = paged(model)
+    assert_same_outputs(third.generate(PROMPTS, SAMPLED), out, atol=0)
+    assert third._programs.stats["compiled"] == 1 and "could not be loaded" in caplog.text
+    other = paged(model, max_segment=4)
+    other.generate(PROMPTS, SAMPLED)
+    assert other._programs.stats["compiled"] >= 1  # its decode programs differ
 
 
 # ---- refusals before any work ----------------------------------------------------------------------

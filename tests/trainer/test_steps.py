@@ -55,6 +55,7 @@ def test_nan_gradient_skips_the_update(tmp_path):
     batch.fields["advantages"][0, 0] = np.nan  # one poisoned token in the first mini-batch
     state_before = _host(w.actor_state)
     m = w.update_actor(batch, 0)
+    assert w.engine.params is None  # rollout.free_cache_engine: the engine's copy is dropped for the update
     assert m["actor/skipped_steps"] == 1.0  # of the 2 mini-batch updates, the poisoned one
     after = _host(w.actor_state)
     assert int(after["skipped"]) == 1 and int(after["step"]) == int(state_before["step"]) + 1
@@ -64,6 +65,8 @@ def test_nan_gradient_skips_the_update(tmp_path):
     w.update_actor(only_bad, 1)
     after = _host(w.actor_state)
     assert _same(before["params"], after["params"]) and _same(before["opt_state"], after["opt_state"])
+    w.sync_rollout_weights(2)  # and the sync rebuilds it
+    assert w.generate([prompts[0]["prompt_ids"]], trainer.sampling(1)).weight_version == 2
 
 
 def test_no_recompiles_in_the_steady_state(tmp_path):

@@ -1,0 +1,218 @@
+"""The engine's compiled programs: built ahead in parallel threads, and kept on disk between processes.
+
+The paged engine runs one decode program per slot bucket (about 17 up to 1,024 rows). Compiled one at a
+time as the first rollout reaches each bucket, they cost its generation 137 s at 1.5B on an H100. With
+jax's persistent cache warm, every program still has to be traced and lowered to find its cache key, then
+loaded: about 1.3 s each, so 27 s against a 3.8 s steady rollout.
+
+`Programs` does two things about it:
+
+* **Ahead, in parallel.** `warm` builds a list of programs on a thread pool before the rollout needs them.
+  Tracing and lowering hold the GIL; XLA's compile and an executable's load do not, so they overlap.
+* **On disk, keyed without tracing.** Where jax's persistent cache is on (`train.compilation_cache_dir`),
+  every compiled program is also written, serialized, under its `jaxrl_engine/` folder. The key is a hash
+  of what decides the program: the program's name, its static arguments, every input's shape, dtype and
+  sharding, the engine's fingerprint (model config and engine options), the source of this package and of
+  `kernels/`, jax's version, the device kind, XLA_FLAGS and the process's place. A later process loads it
+  without tracing or lowering, and loads all of an engine's programs in the background from the moment
+  the engine is built. Any change to the code or config changes the key; a stale file is never read, and
+  an unreadable one is rebuilt.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import threading
+import time
+
+import jax
+
+log = logging.getLogger(__name__)
+
+SUBDIR = "jaxrl_engine"
+
+# Every program this process holds, by key: engines of one config share them (a key names its config).
+_HELD: dict[str, object] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def forget_held() -> None:
+    """Drops this process's programs (as a new process starts without them); for tests."""
+    with _HELD_LOCK:
+        _HELD.clear()
+
+
+@functools.cache
+def source_hash() -> str:
+    """A hash of every Python file of jaxrl_llm and kernels (the code a program is traced from)."""
+    import jaxrl_llm
+    import kernels
+
+    h = hashlib.sha256()
+    for pkg in (jaxrl_llm, kernels):
+        root = os.path.dirname(pkg.__file__)
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, root).encode())
+                    with open(path, "rb") as f:
+                        h.update(f.read())
+    return h.hexdigest()
+
+
+def _environment() -> str:
+    import jaxlib
+
+    dev = jax.devices()[0]
+    return repr((jax.__version__, jaxlib.__version__,
+                 dev.platform, getattr(dev, "device_kind", ""), dev.client.platform_version,
+                 os.environ.get("XLA_FLAGS", ""), jax.process_index(), jax.process_count(),
+                 jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64))
+
+
+def _describe(leaf) -> str:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return f"{tuple(leaf.shape)}:{leaf.dtype}:{getattr(leaf, 'sharding', None)}"
+    return repr(leaf)
+
+
+def default_dir() -> str | None:
+    """`<jax's persistent cache dir>/jaxrl_engine`, or None where that cache is off."""
+    base = jax.config.jax_compilation_cache_dir
+    return os.path.join(os.path.expanduser(base), SUBDIR) if base else None
+
+
+class Programs:
+    """Compiled executables of one engine, by name and input shapes (held once a process for every engine of
+    the same config).
+
+    Programs are kept under `<directory>/<engine key>/`, one folder per engine fingerprint. `preload` starts
+    loading everything in that folder on background threads at once, so an engine built beside the trainer
+    has its programs back before its first rollout asks for them.
+
+    Args:
+      fingerprint: what else decides the programs (the engine's config), as a string.
+      devices: the devices the programs run on, in the mesh's order (a loaded program is placed on them).
+      directory: where serialized executables are kept; None keeps them in memory only.
+      threads: parallel builds and loads (default: the host's cores, at most 16).
+    """
+
+    def __init__(self, fingerprint: str, devices, directory: str | None = None, threads: int | None = None):
+        self.devices = list(devices)
+        self.threads = threads or min(16, os.cpu_count() or 1)
+        ids = [d.id for d in self.devices]
+        self._base = hashlib.sha256(f"{fingerprint}|{ids}|{source_hash()}|{_environment()}".encode()).hexdigest()
+        self.directory = os.path.join(directory, self._base[:32]) if directory else None
+        self._pending: dict[str, concurrent.futures.Future] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = _HELD_LOCK
+        self.stats = dict(compiled=0, loaded=0, compile_s=0.0, load_s=0.0)
+
+    def key(self, name: str, args: tuple, static: dict) -> str:
+        leaves, tree = jax.tree.flatten(args)
+        text = f"{self._base}|{name}|{sorted(static.items())!r}|{tree}|{'|'.join(map(_describe, leaves))}"
+        return f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:40]}"
+
+    def preload(self) -> None:
+        """Starts loading every program kept for this engine, in the background; `get` waits for its own."""
+        if not self.directory or not os.path.isdir(self.directory):
+            return
+        keys = [f[:-4] for f in sorted(os.listdir(self.directory)) if f.endswith(".bin")]
+        with self._lock:
+            keys = [k for k in keys if k not in _HELD and k not in self._pending]
+            if not keys:
+                return
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="programs")
+            for k in keys:
+                self._pending[k] = self._pool.submit(self._load, k)
+
+    def get(self, name: str, jitted, owner, args: tuple, static: dict):
+        """The compiled `jitted(owner, *args, **static)` (a jax.jit method whose arg 0 is static), built or
+        loaded on first use; call it with `args` alone."""
+        key = self.key(name, args, static)
+        with self._lock:
+            hit = _HELD.get(key)
+            pending = self._pending.get(key)
+        if hit is not None:
+            return hit
+        compiled = pending.result() if pending is not None else self._load(key)
+        if compiled is None:
+            t0 = time.perf_counter()
+            compiled = jitted.lower(owner, *args, **static).compile()
+            with self._lock:
+                self.stats["compiled"] += 1
+                self.stats["compile_s"] += time.perf_counter() - t0
+            self._save(key, compiled)
+        with self._lock:
+            _HELD[key] = compiled
+            self._pending.pop(key, None)
+        return compiled
+
+    def warm(self, items: list[tuple[str, object, object, tuple, dict]], context=contextlib.nullcontext) -> None:
+        """Builds (or loads) every (name, jitted, owner, args, static) not yet held, on a thread pool.
+
+        `context()` is entered in each thread (jax's mesh context is per thread)."""
+        todo = [it for it in items if self.key(it[0], it[3], it[4]) not in _HELD]
+        if not todo:
+            return
+
+        def build(item):
+            with context():
+                self.get(*item)
+
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(min(self.threads, len(todo))) as ex:
+            for f in [ex.submit(build, it) for it in todo]:
+                f.result()
+        log.info("engine programs: %d ready in %.1f s (%d compiled, %d loaded from %s so far)", len(todo),
+                 time.perf_counter() - t0, self.stats["compiled"], self.stats["loaded"], self.directory)
+
+    def _path(self, key: str) -> str | None:
+        return os.path.join(self.directory, key + ".bin") if self.directory else None
+
+    def _load(self, key: str):
+        path = self._path(key)
+        if not path or not os.path.exists(path):
+            return None
+        from jax.experimental import serialize_executable
+
+        t0 = time.perf_counter()
+        try:
+            with open(path, "rb") as f:
+                blob, in_tree, out_tree = pickle.load(f)
+            compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree,
+                                                                 backend=self.devices[0].client,
+                                                                 execution_devices=self.devices)
+        except Exception as e:  # noqa: BLE001 (a truncated or foreign file: rebuild it)
+            log.warning("engine program %s could not be loaded (%s: %s); compiling it again", path,
+                        type(e).__name__, e)
+            return None
+        with self._lock:
+            self.stats["loaded"] += 1
+            self.stats["load_s"] += time.perf_counter() - t0
+        return compiled
+
+    def _save(self, key: str, compiled) -> None:
+        path = self._path(key)
+        if not path:
+            return
+        from jax.experimental import serialize_executable
+
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            os.makedirs(self.directory, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)  # readers never see a partial file
+        except Exception as e:  # noqa: BLE001 (a full or read-only disk costs the next process a compile)
+            log.warning("engine program %s not saved (%s: %s)", path, type(e).__name__, e)
