@@ -35,6 +35,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "expert": None,  # a MoE's expert axis ([L, E, D, I] weights)
     "norm": None,
     "value": None,
     # sampler KV caches [B, K, S, H]

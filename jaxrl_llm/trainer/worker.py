@@ -232,7 +232,8 @@ class TrainerWorker:
         self.loss_settings = steps.ActorLossSettings(
             temperature=temp, policy=self.policy_loss, entropy_coeff=run.actor.entropy_coeff,
             use_kl_loss=run.actor.use_kl_loss, kl_loss_coef=run.actor.kl_loss_coef,
-            kl_loss_type=run.actor.kl_loss_type, chunk_size=chunk, on_policy=self.on_policy)
+            kl_loss_type=run.actor.kl_loss_type, chunk_size=chunk, on_policy=self.on_policy,
+            router_aux_loss_coef=self.cfg.router_aux_loss_coef if self.cfg.output_router_logits else 0.0)
         # clip_cov / kl_cov choose their tokens over the whole mini-batch, from the current policy.
         self.cov_select = (jax.jit(functools.partial(select_cov_tokens, config=self.policy_loss))
                            if self.policy_loss.loss_mode in ("clip_cov", "kl_cov") else None)
