@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import sharding
 
@@ -52,18 +53,54 @@ def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_w
     n, d = x.shape
     k = experts.shape[1]
     num_experts = gate_w.shape[0]
-    flat = experts.reshape(-1)  # [N k]
+    flat = experts.reshape(-1)  # [N k]; an id >= E (another device's expert) sorts last and is skipped
     order = jnp.argsort(flat, stable=True)  # pair positions, grouped by expert
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E], ids >= E dropped
     xs = jnp.take(x, order // k, axis=0)  # [N k, D]
     dt = x.dtype
     gate = jax.lax.ragged_dot(xs, gate_w.astype(dt), group_sizes)  # [N k, I]
     up = jax.lax.ragged_dot(xs, up_w.astype(dt), group_sizes)
     ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_w.astype(dt), group_sizes)  # [N k, D]
-    ys = ys * jnp.take(weights.reshape(-1), order)[:, None]
+    in_group = jnp.arange(n * k) < jnp.sum(group_sizes)  # rows past the groups are not defined to be 0
+    ys = jnp.where(in_group[:, None], ys * jnp.take(weights.reshape(-1), order)[:, None], 0)
     # Undo the sort with a gather (cheaper and deterministic, unlike a scatter-add), then sum the k.
     unsorted = jnp.take(ys, jnp.argsort(order), axis=0)  # [N k, D]
     return jnp.sum(unsorted.reshape(n, k, d), axis=1)
+
+
+def expert_parallel_experts(x, weights, experts, gate_w, up_w, down_w):
+    """`grouped_experts` with the experts split over the mesh's expert axis (expert parallelism).
+
+    Each device of the expert axis holds E / ep experts. It gathers the tokens of its expert group
+    (those the batch split over that axis), runs its own experts on the pairs routed to them, and a
+    reduce-scatter sums the partial outputs back onto the devices that own the tokens. Without an
+    expert axis in the ambient mesh this is `grouped_experts`.
+
+    Args and returns as `grouped_experts`.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    axis = None if mesh.empty else sharding.expert_axis(mesh)
+    if axis is None:
+        return grouped_experts(x, weights, experts, gate_w, up_w, down_w)
+    tok = sharding.logical_to_spec(("batch", None), x.shape, mesh)[0]  # how the tokens are split
+    tok_axes = () if tok is None else (tok,) if isinstance(tok, str) else tuple(tok)
+    gathered = axis in tok_axes
+    rows, wspec = P(tok, None), P(axis, None, None)
+
+    def local(x, weights, experts, gate_w, up_w, down_w):
+        if gathered:
+            x, weights, experts = (jax.lax.all_gather(a, axis, tiled=True) for a in (x, weights, experts))
+        e_local = gate_w.shape[0]
+        first = jax.lax.axis_index(axis) * e_local
+        mine = (experts >= first) & (experts < first + e_local)
+        y = grouped_experts(x, jnp.where(mine, weights, 0), jnp.where(mine, experts - first, e_local),
+                            gate_w, up_w, down_w)
+        if gathered:
+            return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, axis)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, wspec, wspec, wspec), out_specs=rows,
+                         check_vma=False)(x, weights, experts, gate_w, up_w, down_w)
 
 
 def router_stats(logits: jax.Array, experts: jax.Array, valid: jax.Array) -> jax.Array:
@@ -93,12 +130,15 @@ def load_balancing_loss(stats: jax.Array) -> jax.Array:
 
 
 def moe_mlp(x: jax.Array, valid: jax.Array | None, router_w, gate_w, up_w, down_w, *, top_k: int,
-            norm_topk_prob: bool):
-    """The sparse MLP on [..., D] tokens -> ([..., D], router_stats [2, E + 1]); valid: [...] bool or None."""
+            norm_topk_prob: bool, expert_parallel: bool = False):
+    """The sparse MLP on [..., D] tokens -> ([..., D], router_stats [2, E + 1]); valid: [...] bool or None.
+    `expert_parallel`: split the experts over the mesh's expert axis (the trainer; the sampler keeps
+    its weights whole on that axis)."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     logits, weights, experts = route(flat, router_w, top_k=top_k, norm_topk_prob=norm_topk_prob)
-    y = grouped_experts(flat, weights, experts, gate_w, up_w, down_w)
+    experts_fn = expert_parallel_experts if expert_parallel else grouped_experts
+    y = experts_fn(flat, weights, experts, gate_w, up_w, down_w)
     valid = jnp.ones(flat.shape[:1], bool) if valid is None else valid.reshape(-1)
     return y.reshape(*lead, -1), router_stats(logits, experts, valid)
 
@@ -134,5 +174,6 @@ class SparseMoeBlock(nnx.Module):
     def __call__(self, x: jax.Array, valid: jax.Array | None = None):
         ex = self.experts
         y, stats = moe_mlp(x.astype(self.dtype), valid, self.gate.kernel[...], ex.gate_proj[...], ex.up_proj[...],
-                           ex.down_proj[...], top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+                           ex.down_proj[...], top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
+                           expert_parallel=True)
         return sharding.constrain(y, ("batch", "length", "act_embed")), stats

@@ -114,7 +114,7 @@ class TrainerWorker:
     def __init__(self, run: RunConfig, *, total_steps: int, model_cfg: Qwen2Config | None = None):
         self.run = run
         t = run.trainer
-        self.mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor)
+        self.mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor, expert=t.mesh_expert)
         self.dp = sharding.data_parallel_size(self.mesh)
         self.cfg = model_cfg or model_config(run)
         if model_cfg is None and run.model.remat == "auto":
