@@ -23,15 +23,16 @@ from jaxrl_llm.models import (
 )
 from jaxrl_llm.models.moe import grouped_experts, route
 from jaxrl_llm.rollout import JaxEngine, SamplingParams
+from jaxrl_llm.trainer.metrics import veRL_flops
 from tests.hf_models import make_hf_model
 
 MOE = dict(family="qwen3_moe", head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
            norm_topk_prob=True)
 CASES = {
     "top1_of_4_norm_off": dict(MOE, num_experts=4, num_experts_per_tok=1, norm_topk_prob=False),
-    "top8_of_8_norm_on": dict(MOE, num_experts_per_tok=8),
-    "dense_layer_among_sparse_tied": dict(MOE, num_hidden_layers=3, mlp_only_layers=[1], tie_word_embeddings=True),
-    "sparse_step2_norm_off": dict(MOE, num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False),
+    "top8_of_8_norm_on_dense_layer": dict(MOE, num_experts_per_tok=8, num_hidden_layers=3, mlp_only_layers=[1]),
+    "sparse_step2_tied_norm_off": dict(MOE, num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False,
+                                       tie_word_embeddings=True),
 }
 
 # Qwen/Qwen3-30B-A3B's config.json (the parts that matter).
@@ -103,6 +104,11 @@ def test_released_config_presets_and_active_params():
     # transformers 5 writes `num_local_experts` (its alias) in place of num_experts.
     alias = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"} | {"num_local_experts": 128}
     assert DecoderConfig.from_hf(alias).num_experts == 128
+    # MFU counts active parameters: veRL's FLOPs with a sparse layer's MLP as k experts plus the router.
+    d, layers, seq = 2048, 48, 1000
+    attn_linear = d * (2 * 32 * 128 + 2 * 4 * 128)
+    active = layers * (8 * 3 * d * 768 + d * 128 + attn_linear) + 2 * 151936 * d
+    assert veRL_flops(cfg, np.array([seq])) == pytest.approx(6 * active * seq + 12 * seq**2 * 128 * 32 * layers)
     mixed = PRESETS["tiny_moe"](num_hidden_layers=5, mlp_only_layers=[1], decoder_sparse_step=1)
     assert mixed.layer_stacks == {"layers": (0, 2, 3, 4), "dense_layers": (1,)}
     assert mixed.layer_runs == (("layers", 0, 1), ("dense_layers", 0, 1), ("layers", 1, 4))
@@ -166,7 +172,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40
 
 def test_greedy_generation_equals_transformers(tmp_path):
     hf = make_hf_model(tmp_path, vocab_size=96, initializer_range=0.3, eos_token_id=7,
-                       **CASES["dense_layer_among_sparse_tied"])
+                       **dict(MOE, num_hidden_layers=3, mlp_only_layers=[1]))
     model = load_hf(tmp_path)
     engine = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", page_size=8)
     out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=20))
@@ -175,6 +181,11 @@ def test_greedy_generation_equals_transformers(tmp_path):
                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
         assert out.response_ids(i) == ref, f"prompt {i}"
         assert len(set(ref)) > 3  # not a degenerate repeat
+    # On a mesh with an expert axis (train.mesh_expert) the sampler runs data-parallel over it.
+    sharded = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", mesh=sharding.make_mesh(1, 2, 1, expert=4),
+                        page_size=8)
+    np.testing.assert_array_equal(sharded.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=20)).tokens,
+                                  out.tokens)
 
 
 def test_expert_sharded_with_remat_equals_one_device():
