@@ -109,9 +109,10 @@ class DecoderConfig:
 
     def _check_experts(self) -> None:
         if self.model_type != "qwen3_moe":
-            if self.num_experts:
-                raise ConfigError(f"num_experts={self.num_experts} needs model_type='qwen3_moe' (got "
-                                  f"{self.model_type!r}); set num_experts=0 for a dense model")
+            if self.num_experts or self.output_router_logits:
+                raise ConfigError(f"num_experts={self.num_experts}, output_router_logits={self.output_router_logits}"
+                                  f" need model_type='qwen3_moe' (got {self.model_type!r}); a dense model has "
+                                  "num_experts=0 and no router loss")
             return
         if self.num_experts < 1:
             raise ConfigError("model_type='qwen3_moe' needs num_experts >= 1 (config.json: num_experts)")

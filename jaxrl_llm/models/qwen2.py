@@ -207,10 +207,8 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, *, mask, lengths, valid=None):
         """x: [B, T, D] -> (x [B, T, D], router stats of a sparse layer or None); self-attention over the
         same T tokens. `valid` [B, T] marks the tokens the router stats count (None: all)."""
-        impl = self.self_attn.impl
-        attend = lambda q, k, v: (dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=impl), None)
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
-        out, _ = attend(q, k, v)
+        out = dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=self.self_attn.impl)
         x = x + self.self_attn.output(out)
         y = self.post_attention_layernorm(x)
         y, stats = self.mlp(y, valid) if isinstance(self.mlp, SparseMoeBlock) else (self.mlp(y), None)

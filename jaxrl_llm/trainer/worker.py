@@ -181,7 +181,8 @@ class TrainerWorker:
             return load_params(path, self.cfg, mesh=self.mesh, critic=True)
         # veRL initialises the critic from the actor checkpoint with a fresh value head.
         lm = load_params(path, self.cfg, mesh=self.mesh)
-        head = init_params(self.cfg.replace(num_hidden_layers=1, vocab_size=8), seed=m.seed + 1, critic=True)
+        head_cfg = self.cfg.replace(num_hidden_layers=1, vocab_size=8, mlp_only_layers=(), decoder_sparse_step=1)
+        head = init_params(head_cfg, seed=m.seed + 1, critic=True)
         score = jax.tree.map(lambda x, sh: distributed.put(distributed.fetch(x), sh), head["score"],
                              self.critic_sh["score"])
         return {"model": lm["model"], "score": score}
