@@ -145,8 +145,8 @@ def decode(cfg, rows: int, new_tokens: int, prompt_len: int, seed: int = 0):
     from jaxrl_llm.models import init_params
     from jaxrl_llm.rollout import JaxEngine, SamplingParams
 
-    params = init_params(cfg, seed=seed)
-    eng = JaxEngine(cfg, params, dtype=cfg.dtype, max_num_seqs=rows, max_prompt_length=prompt_len)
+    eng = JaxEngine(cfg, init_params(cfg, seed=seed), dtype=cfg.dtype, max_num_seqs=rows,
+                    max_prompt_length=prompt_len)  # the initial params are freed once converted
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(rows)]
     sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
@@ -184,12 +184,14 @@ def main() -> None:
     if "grouped" in sections:
         grouped(base, args.tokens)
     if "update" in sections:
-        layers = args.layers or fitting_layers(base, 16.0, reserve_gb=12.0)  # fp32 params, grads, AdamW mu/nu
+        # fp32 params, AdamW mu/nu, the gradient accumulator and one step's gradient
+        layers = args.layers or fitting_layers(base, 20.0, reserve_gb=12.0)
         cfg = base.replace(num_hidden_layers=layers, dtype="bfloat16" if gpu else "float32", param_dtype="float32",
                            remat=args.remat, output_router_logits=True)
         update(cfg, args.update_rows, args.update_length)
     if "decode" in sections:
-        layers = args.layers or fitting_layers(base, 2.0, reserve_gb=16.0)  # bf16 weights; KV pages in the reserve
+        # bf16 weights twice (the initial params and the engine's copy); KV pages in the reserve
+        layers = args.layers or fitting_layers(base, 4.0, reserve_gb=16.0)
         dt = "bfloat16" if gpu else "float32"
         decode(base.replace(num_hidden_layers=layers, dtype=dt, param_dtype=dt), args.rows, args.new_tokens,
                args.prompt_len)
