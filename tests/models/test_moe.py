@@ -21,7 +21,7 @@ from jaxrl_llm.models import (
     save_hf,
     split_model,
 )
-from jaxrl_llm.models.moe import grouped_experts, route
+from jaxrl_llm.models.moe import expert_parallel_experts, grouped_experts, route
 from jaxrl_llm.rollout import JaxEngine, SamplingParams
 from jaxrl_llm.trainer.metrics import veRL_flops
 from tests.hf_models import make_hf_model
@@ -189,11 +189,10 @@ def test_greedy_generation_equals_transformers(tmp_path):
 
 
 def test_expert_sharded_with_remat_equals_one_device():
-    """A dense layer between two sparse ones, on 8 devices: fsdp 2 x expert 4 (two experts a device)
-    with remat 'full' gives the logits, router loss and gradients of one device without remat. With 8
-    rows the tokens are split over the expert axis too (gather, then reduce-scatter); with 2 they are
-    not (a psum), checked on the forward."""
-    cfg = PRESETS["tiny_moe"](num_hidden_layers=3, mlp_only_layers=[1])
+    """A sparse then a dense layer on 8 devices: fsdp 2 x expert 4 (two experts a device) with remat
+    'full' gives the logits, router loss and gradients of one device without remat. The 8 rows split
+    over the expert axis too, so tokens are gathered, then reduce-scattered."""
+    cfg = PRESETS["tiny_moe"](mlp_only_layers=[1])
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(2, cfg.vocab_size, (8, 10)))
     lengths = jnp.asarray(rng.integers(4, 11, 8), jnp.int32)
@@ -201,27 +200,35 @@ def test_expert_sharded_with_remat_equals_one_device():
     def make(remat):
         graphdef, _ = graphdef_and_abstract_params(cfg.replace(remat=remat))
 
-        def loss(params, ids, lengths):
+        def loss(params):
             logits, aux = nnx.merge(graphdef, params).logits_and_router_aux_loss(ids, lengths=lengths)
             return jnp.mean(jax.nn.logsumexp(logits, -1)) + 0.1 * aux, (logits, aux)
 
-        return jax.jit(jax.value_and_grad(loss, has_aux=True)), jax.jit(loss)
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
-    step, forward = make("none")
-    one = init_params(cfg, seed=2)
-    (ref, (ref_logits, ref_aux)), ref_grads = step(one, ids, lengths)
-    ref_two = forward(one, ids[:2], lengths[:2])
+    (ref, (ref_logits, ref_aux)), ref_grads = make("none")(init_params(cfg, seed=2))
     mesh = sharding.make_mesh(1, 2, 1, expert=4)
     params = init_params(cfg, mesh=mesh, seed=2)
     gate = params["model"]["layers"]["mlp"]["experts"]["gate_proj"]  # [L, E, D, I]
     assert gate.sharding.shard_shape(gate.shape)[1] == cfg.num_experts // 4
-    step, forward = make("full")
     with jax.set_mesh(mesh):
-        (val, (logits, aux)), grads = step(params, ids, lengths)
-        two = forward(params, ids[:2], lengths[:2])
-    scale = float(jnp.max(jnp.abs(ref_logits)))
-    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5 * scale)
+        (val, (logits, aux)), grads = make("full")(params)
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref_logits))))
     assert float(aux) == pytest.approx(float(ref_aux), rel=1e-6) and float(val) == pytest.approx(float(ref), rel=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads)
     assert float(jnp.max(jnp.abs(ref_grads["model"]["layers"]["mlp"]["gate"]["kernel"]))) > 0  # the router learns
-    np.testing.assert_allclose(two[1][0], ref_two[1][0], rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("rows", [16, 3], ids=["tokens_split_gather_scatter", "tokens_replicated_psum"])
+def test_expert_parallel_experts_equal_grouped_experts(rows):
+    """Both dispatch paths: 16 tokens split over fsdp 2 x expert 4; 3 tokens (not divisible) replicated."""
+    rng = np.random.default_rng(1)
+    e, d, i, k = 8, 16, 8, 2
+    x, router = jnp.asarray(rng.normal(size=(rows, d)), jnp.float32), jnp.asarray(rng.normal(size=(d, e)), jnp.float32)
+    gate, up, down = (jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in ((e, d, i), (e, d, i), (e, i, d)))
+    _, w, idx = route(x, router, top_k=k, norm_topk_prob=False)
+    ref = grouped_experts(x, w, idx, gate, up, down)
+    mesh = sharding.make_mesh(1, 2, 1, expert=4)
+    with jax.set_mesh(mesh):
+        out = jax.jit(expert_parallel_experts)(x, w, idx, gate, up, down)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
