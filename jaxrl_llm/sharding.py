@@ -1,8 +1,11 @@
 """Device meshes and the logical-axis rules: the only module that names mesh axes.
 
 Parameters and activations carry *logical* axis names ("embed", "mlp", "batch", ...). `RULES` maps
-each to a mesh axis of the ("data", "fsdp", "tensor") mesh. A dimension that the mesh axis does not
-divide stays replicated, so every rule works on any device count, 1 included.
+each to a mesh axis of the ("data", "fsdp", "expert", "tensor") mesh. A dimension that the mesh axis
+does not divide stays replicated, so every rule works on any device count, 1 included.
+
+The "expert" axis splits a MoE's experts (expert parallelism); outside the expert layers its devices
+are data-parallel (the batch is split over it too), so a dense model on such a mesh is unchanged.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical axis -> mesh axis (or a tuple of mesh axes, or None for replicated).
 RULES: dict[str, str | tuple[str, ...] | None] = {
     # activations
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "length": None,
     "act_embed": None,
     "act_mlp": "tensor",
@@ -35,6 +38,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "expert": "expert",  # a MoE's experts ([L, E, D, I] weights)
     "norm": None,
     "value": None,
     # sampler KV caches [B, K, S, H]
@@ -42,9 +46,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 # The sampler's parameter layout: decode reads every weight once per token, so all-gathering
-# fsdp shards each step would dominate. Weights are replicated over data/fsdp and split only over
-# "tensor"; the batch is split over data x fsdp, so decode runs data-parallel without collectives.
-ENGINE_RULES = {**RULES, "embed": None}
+# fsdp shards each step would dominate. Weights are replicated over data/fsdp/expert and split only over
+# "tensor"; the batch is split over data x fsdp x expert, so decode runs data-parallel without collectives.
+ENGINE_RULES = {**RULES, "embed": None, "expert": None}
 
 
 class MeshError(ValueError):
@@ -52,30 +56,31 @@ class MeshError(ValueError):
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh; one size may be -1 to take the remaining devices.
+              devices: Sequence[jax.Device] | None = None, *, expert: int = 1) -> Mesh:
+    """A ("data", "fsdp", "expert", "tensor") mesh; one size may be -1 to take the remaining devices.
 
     Not a gin configurable: runs set the mesh with `train.mesh_data/fsdp/tensor`, which the trainer
     passes explicitly (so a `make_mesh.*` binding was a silent no-op), and gin would append a second
     line to a MeshError's message.
     """
     devices = list(devices) if devices is not None else jax.devices()
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, expert, tensor]
+    named = f"mesh (data={data}, fsdp={fsdp}, expert={expert}, tensor={tensor})"
     if sizes.count(-1) > 1:
-        raise MeshError(f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}): at most one size may be -1")
+        raise MeshError(f"{named}: at most one size may be -1")
     known = math.prod(s for s in sizes if s != -1)
     if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
         raise MeshError(
-            f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}) does not fit {len(devices)} device(s); "
-            "the product of the sizes must divide the device count (gin: train.mesh_data, train.mesh_fsdp, "
-            "train.mesh_tensor; -1 takes the remaining devices)")
+            f"{named} does not fit {len(devices)} device(s); the product of the sizes must divide the device "
+            "count (gin: train.mesh_data, train.mesh_fsdp, train.mesh_expert, train.mesh_tensor; -1 takes the "
+            "remaining devices)")
     sizes = [len(devices) // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != len(devices):
         if jax.process_count() > 1:
             raise MeshError(
-                f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}) uses {math.prod(sizes)} of the "
-                f"{len(devices)} devices of this {jax.process_count()}-process run; a multi-process mesh must "
-                "use every device (set one of train.mesh_data / mesh_fsdp / mesh_tensor to -1)")
+                f"{named} uses {math.prod(sizes)} of the {len(devices)} devices of this {jax.process_count()}-"
+                "process run; a multi-process mesh must use every device (set one of train.mesh_data / "
+                "mesh_fsdp / mesh_expert / mesh_tensor to -1)")
         devices = devices[: math.prod(sizes)]
     arr = np.asarray(devices, dtype=object).reshape(sizes)
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
@@ -137,6 +142,12 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 def batch_sharding(mesh: Mesh, ndim: int, shape: Sequence[int] | None = None) -> NamedSharding:
     """Leading dim over the data-parallel axes, the rest replicated."""
     return named_sharding(mesh, ("batch",) + (None,) * (ndim - 1), shape)
+
+
+def expert_axis(mesh) -> str | None:
+    """The mesh axis that splits a MoE's experts, or None when the mesh does not split them."""
+    axis = RULES["expert"]
+    return axis if not mesh.empty and mesh.shape.get(axis, 1) > 1 else None
 
 
 def data_parallel_size(mesh: Mesh) -> int:

@@ -12,6 +12,8 @@ HF_CLASSES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, transformers.Qwen2ForTokenClassification),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, transformers.Qwen3ForTokenClassification),
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, transformers.LlamaForTokenClassification),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  transformers.Qwen3MoeForTokenClassification),
 }
 
 # Llama 3's RoPE bands on a short original context: with head_dim 16 and theta 1e4 the wavelengths

@@ -33,6 +33,12 @@ class DecoderConfig:
     scan: "none", "full" (recompute the whole layer) or "dots" (save matmul outputs).
     `attention_impl` is "xla", "cudnn" (flash attention, GPU only) or "auto" (cudnn on GPU when the
     dtype is 16-bit, else xla).
+
+    Mixture of experts (model_type "qwen3_moe", `models/moe.py`): layer i is sparse when it is not in
+    `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; a sparse layer routes each token to
+    `num_experts_per_tok` of `num_experts` SwiGLU experts of width `moe_intermediate_size`, the other
+    layers keep a dense MLP of `intermediate_size`. `output_router_logits` (HF's switch) adds
+    `router_aux_loss_coef` x the load-balancing loss to the actor loss.
     """
 
     model_type: str = "qwen2"
@@ -56,11 +62,21 @@ class DecoderConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     attention_impl: str = "auto"
+    num_experts: int = 0  # 0: a dense model
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
 
     def __post_init__(self):
         families.family(self.model_type)  # a ConfigError naming the supported families
         if isinstance(self.eos_token_id, list):  # hashable: configs are cache keys and static jit arguments
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
+        self._check_experts()
         if isinstance(self.rope_scaling, dict):  # HF's form, e.g. from gin's model.overrides
             object.__setattr__(self, "rope_scaling", rope_scaling_from_hf(
                 self.rope_scaling, where="DecoderConfig", max_position_embeddings=self.max_position_embeddings))
@@ -91,6 +107,29 @@ class DecoderConfig:
             if not ok:
                 raise ConfigError(f"{name}={value!r} is not a floating-point dtype; use 'float32' or 'bfloat16'")
 
+    def _check_experts(self) -> None:
+        if self.model_type != "qwen3_moe":
+            if self.num_experts or self.output_router_logits:
+                raise ConfigError(f"num_experts={self.num_experts}, output_router_logits={self.output_router_logits}"
+                                  f" need model_type='qwen3_moe' (got {self.model_type!r}); a dense model has "
+                                  "num_experts=0 and no router loss")
+            return
+        if self.num_experts < 1:
+            raise ConfigError("model_type='qwen3_moe' needs num_experts >= 1 (config.json: num_experts)")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                              f"{self.num_experts}]")
+        if self.moe_intermediate_size < 1:
+            raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size}; set the experts' MLP width")
+        if self.decoder_sparse_step < 1:
+            raise ConfigError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"mlp_only_layers has {bad}, outside the {self.num_hidden_layers} layers")
+        if not any(self.is_sparse_layer(i) for i in range(self.num_hidden_layers)):
+            raise ConfigError(f"no sparse layer (decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers="
+                              f"{list(self.mlp_only_layers)}); use model_type 'qwen3' for a dense model")
+
     # ---- family switches -----------------------------------------------------------------------
     @property
     def family(self) -> families.Family:
@@ -103,6 +142,49 @@ class DecoderConfig:
     @property
     def qk_norm(self) -> bool:
         return self.family.qk_norm
+
+    # ---- layer kinds (mixture of experts) -------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """HF's rule for which layers hold experts (Qwen3MoeDecoderLayer)."""
+        return (self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def layer_stacks(self) -> dict[str, tuple[int, ...]]:
+        """Stacked layer groups of the params -> the HF layer indices they hold, in order.
+
+        Layers of one kind share a stack (scanned together): `layers` holds every layer of a dense
+        model and the sparse layers of a MoE; `dense_layers` the dense layers of a MoE, if any.
+        """
+        if not self.is_moe:
+            return {"layers": tuple(range(self.num_hidden_layers))}
+        sparse = tuple(i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i))
+        dense = tuple(i for i in range(self.num_hidden_layers) if not self.is_sparse_layer(i))
+        return {"layers": sparse, "dense_layers": dense} if dense else {"layers": sparse}
+
+    @property
+    def layer_runs(self) -> tuple[tuple[str, int, int], ...]:
+        """Execution order as runs of one kind: (stack name, start, stop) into that stack."""
+        where = {i: (name, j) for name, ids in self.layer_stacks.items() for j, i in enumerate(ids)}
+        runs: list[list] = []
+        for i in range(self.num_hidden_layers):
+            name, j = where[i]
+            if runs and runs[-1][0] == name:
+                runs[-1][2] = j + 1
+            else:
+                runs.append([name, j, j + 1])
+        return tuple(tuple(r) for r in runs)
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The MLP width one token runs through in the widest layer kind (k experts' in a MoE)."""
+        if not self.is_moe:
+            return self.intermediate_size
+        return max(self.num_experts_per_tok * self.moe_intermediate_size,
+                   self.intermediate_size if len(self.layer_stacks) > 1 else 0)
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -121,16 +203,19 @@ class DecoderConfig:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
-    def num_params(self, *, with_value_head: bool = False) -> int:
-        """Exact parameter count, as HF's `model.num_parameters()` reports it."""
+    def num_params(self, *, with_value_head: bool = False, active: bool = False) -> int:
+        """Exact parameter count, as HF's `model.num_parameters()` reports it; `active`: the parameters
+        one token uses (a sparse layer counts its router and `num_experts_per_tok` experts)."""
         d, f, v, layers = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
         attn = 2 * d * self.q_dim + 2 * d * self.kv_dim
         if self.qkv_bias:
             attn += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
-        per_layer = attn + 3 * d * f + 2 * d
-        total = v * d + layers * per_layer + d
+        n_sparse = sum(self.is_sparse_layer(i) for i in range(layers))
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe_mlp = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        total = v * d + layers * (attn + 2 * d) + (layers - n_sparse) * 3 * d * f + n_sparse * moe_mlp + d
         if with_value_head:
             total += d + 1
         elif not self.tie_word_embeddings:
@@ -270,6 +355,24 @@ class DecoderConfig:
                                      original_max_position_embeddings=8192)), kw)
 
     @classmethod
+    def qwen3_30b_a3b(cls, **kw) -> DecoderConfig:
+        return cls._make("preset 'qwen3_30b_a3b'", _QWEN3_COMMON, _QWEN3_MOE_COMMON, dict(
+            hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+            num_attention_heads=32, num_key_value_heads=4), kw)
+
+    @classmethod
+    def qwen3_235b_a22b(cls, **kw) -> DecoderConfig:
+        return cls._make("preset 'qwen3_235b_a22b'", _QWEN3_COMMON, _QWEN3_MOE_COMMON, dict(
+            hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=94,
+            num_attention_heads=64, num_key_value_heads=4), kw)
+
+    @classmethod
+    def tiny_moe(cls, **kw) -> DecoderConfig:
+        """The tiny test model as a Qwen3-MoE: 8 experts, top-2, every layer sparse."""
+        return cls.tiny(**{**dict(model_type="qwen3_moe", head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, norm_topk_prob=True), **kw})
+
+    @classmethod
     def tiny(cls, **kw) -> DecoderConfig:
         """A few-kilobyte model for tests: GQA ratio 2, untied head, odd-free small sizes."""
         base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -295,6 +398,9 @@ _QWEN2P5_COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_th
 # The released (post-trained) Qwen3 checkpoints: <|im_end|> ends a turn.
 _QWEN3_COMMON = dict(model_type="qwen3", vocab_size=151936, head_dim=128, max_position_embeddings=40960,
                      rope_theta=1_000_000.0, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)
+# Qwen3-MoE's released shapes share these (every layer sparse, 128 experts, top-8, normalised top-k).
+_QWEN3_MOE_COMMON = dict(model_type="qwen3_moe", tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), router_aux_loss_coef=0.001)
 # The Instruct checkpoints' token ids (<|end_of_text|>, <|eom_id|>, <|eot_id|> end a response).
 _LLAMA3_COMMON = dict(model_type="llama", vocab_size=128256, max_position_embeddings=131072, rope_theta=500_000.0,
                       rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=[128001, 128008, 128009])
@@ -314,7 +420,10 @@ PRESETS = {
     "llama3p2_1b": DecoderConfig.llama3p2_1b,
     "llama3p2_3b": DecoderConfig.llama3p2_3b,
     "llama3p1_8b": DecoderConfig.llama3p1_8b,
+    "qwen3_30b_a3b": DecoderConfig.qwen3_30b_a3b,
+    "qwen3_235b_a22b": DecoderConfig.qwen3_235b_a22b,
     "tiny": DecoderConfig.tiny,
+    "tiny_moe": DecoderConfig.tiny_moe,
 }
 
 

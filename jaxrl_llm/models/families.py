@@ -8,9 +8,11 @@ Everything else (GQA, explicit head_dim, tied or untied head, SwiGLU MLP, RMSNor
   qwen2   Qwen2ForCausalLM, Qwen2ForTokenClassification         yes         no       default
   qwen3   Qwen3ForCausalLM, Qwen3ForTokenClassification         no          yes      default
   llama   LlamaForCausalLM, LlamaForTokenClassification         no          no       default or llama3
+  qwen3_moe  Qwen3MoeForCausalLM, Qwen3MoeForTokenClassification  no       yes      default
 
-What none of them supports here (mixture of experts, sliding-window attention, other RoPE types,
-other activations, biases on o_proj or the MLP) is one ConfigError naming the config.json field.
+Qwen3-MoE is Qwen3 with routed experts in its sparse layers (`models/moe.py`). What none of them
+supports here (other mixtures of experts, sliding-window attention, other RoPE types, other
+activations, biases on o_proj or the MLP) is one ConfigError naming the config.json field.
 """
 
 from __future__ import annotations
@@ -51,11 +53,17 @@ FAMILIES = {
     "llama": Family("llama", "LlamaForCausalLM", "LlamaForTokenClassification", qkv_bias=False, qk_norm=False,
                     default_head_dim=None, default_max_position_embeddings=2048,
                     hf_extras=lambda c: {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForTokenClassification", qkv_bias=False,
+                        qk_norm=True, default_head_dim=128, default_max_position_embeddings=32768,
+                        hf_extras=lambda c: {"attention_bias": False, "use_sliding_window": False,
+                                             "sliding_window": None, "max_window_layers": c.num_hidden_layers,
+                                             **moe_fields_to_hf(c)}),
 }
 
 _BY_ARCHITECTURE = {a: f for f in FAMILIES.values() for a in f.architectures}
 
-# config.json keys that mark a mixture-of-experts model (Qwen2/3-MoE, Mixtral, DeepSeek).
+# config.json keys that mark a mixture-of-experts model (Qwen2/3-MoE, Mixtral, DeepSeek); only
+# model_type qwen3_moe may carry them.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 _SUPPORTED = "; ".join(f"model_type {f.model_type!r} ({', '.join(f.architectures)})" for f in FAMILIES.values())
@@ -70,9 +78,9 @@ def family(model_type: str) -> Family:
 def _family_of(raw: dict, where: str) -> Family:
     """The family of a config.json, with one ConfigError for a model we cannot run."""
     for key in _MOE_KEYS:
-        if raw.get(key):
+        if raw.get(key) and raw.get("model_type") != "qwen3_moe":
             raise ConfigError(f"{where}: {key}={raw[key]!r}: mixture-of-experts models are not supported "
-                              f"(model_type={raw.get('model_type')!r}); jaxrl_llm loads dense decoders: {_SUPPORTED}")
+                              f"for model_type={raw.get('model_type')!r}; jaxrl_llm loads {_SUPPORTED}")
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type")
     if model_type is None:  # an old or hand-written config.json: go by the architecture, else Qwen2
@@ -112,6 +120,8 @@ def fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
     fam = _family_of(raw, where)
     _check_unsupported(raw, fam, where)
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if fam.model_type == "qwen3_moe":
+        required += ("moe_intermediate_size", "num_experts_per_tok")
     missing = [k for k in required if raw.get(k) is None]
     if missing:
         raise ConfigError(f"{where}: missing field(s) {missing}; a {fam.model_type} config.json needs {list(required)}")
@@ -138,7 +148,31 @@ def fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=raw.get("eos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
+        **(_moe_fields_from_hf(raw, where) if fam.model_type == "qwen3_moe" else {}),
     )
+
+
+# Qwen3MoeConfig's defaults for the keys a config.json may omit.
+_MOE_DEFAULTS = dict(norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=None, router_aux_loss_coef=0.001,
+                     output_router_logits=False)
+
+
+def _moe_fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
+    # Released files say num_experts; transformers 5 writes num_local_experts (its attribute alias).
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if not experts:
+        raise ConfigError(f"{where}: a qwen3_moe config.json needs num_experts >= 1 (got {experts!r})")
+    out = {k: raw.get(k, default) for k, default in _MOE_DEFAULTS.items()}
+    out["mlp_only_layers"] = tuple(out["mlp_only_layers"] or ())
+    return dict(num_experts=experts, num_experts_per_tok=raw["num_experts_per_tok"],
+                moe_intermediate_size=raw["moe_intermediate_size"], **out)
+
+
+def moe_fields_to_hf(cfg) -> dict[str, Any]:
+    return {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
+            "decoder_sparse_step": cfg.decoder_sparse_step, "mlp_only_layers": list(cfg.mlp_only_layers),
+            "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": cfg.output_router_logits}
 
 
 def hf_from_config(cfg, *, critic: bool = False) -> dict:

@@ -79,10 +79,8 @@ def _check_names_and_shapes(cfg: DecoderConfig, rows: list[ParamRow], tensors: d
                             critic: bool) -> None:
     expected = {}
     for row in rows:
-        per = row.shape(cfg)[1:] if row.stacked else row.shape(cfg)
-        hf_shape = tuple(reversed(per)) if row.transpose else per
-        for name in row.hf_names(cfg.num_hidden_layers):
-            expected[name] = hf_shape
+        for name in row.hf_names():
+            expected[name] = row.hf_shape(cfg)
     missing = [n for n in expected if n not in tensors]
     if missing:
         hint = " (is this a critic/token-classification checkpoint?)" if "lm_head.weight" in missing else ""
@@ -101,9 +99,9 @@ def _check_names_and_shapes(cfg: DecoderConfig, rows: list[ParamRow], tensors: d
                               f"{'critic' if critic else 'causal LM'} with this config.json)")
 
 
-def _row_reader(row: ParamRow, tensors: dict, num_layers: int, dtype):
+def _row_reader(row: ParamRow, tensors: dict, dtype):
     """index (tuple of slices into our layout) -> numpy block, read lazily from the mapped files."""
-    names = row.hf_names(num_layers)
+    names = row.hf_names()
 
     def one(name, idx):
         arr = tensors[name].get(name)
@@ -114,8 +112,12 @@ def _row_reader(row: ParamRow, tensors: dict, num_layers: int, dtype):
     def read(index):
         if not row.stacked:
             return one(names[0], tuple(index))
-        layers = range(num_layers)[index[0]]
-        return np.stack([one(names[i], tuple(index[1:])) for i in layers])
+        layers = range(len(row.layers))[index[0]]
+        if not row.experts:
+            return np.stack([one(names[i], tuple(index[1:])) for i in layers])
+        experts = range(row.experts)[index[1]]
+        return np.stack([np.stack([one(names[i * row.experts + j], tuple(index[2:])) for j in experts])
+                         for i in layers])
 
     return read
 
@@ -141,14 +143,15 @@ def load_params(path: str, cfg: DecoderConfig, *, mesh: Mesh | None = None, crit
     for row in rows:
         shape = row.shape(cfg)
         arr = jax.make_array_from_callback(shape, get_path(shardings, row.path),
-                                           _row_reader(row, tensors, cfg.num_hidden_layers, dtype))
+                                           _row_reader(row, tensors, dtype))
         set_path(params, row.path, arr)
     return params
 
 
 def load_hf(path: str | os.PathLike, *, dtype: str = "float32", param_dtype: str | None = None,
             mesh: Mesh | None = None, critic: bool = False, **config_overrides) -> nnx.Module:
-    """Loads a local HF checkpoint of a supported family (Qwen2/2.5, Qwen3, Llama 3.x) as a (sharded) Flax model.
+    """Loads a local HF checkpoint of a supported family (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x) as a
+    (sharded) Flax model.
 
     Args:
       path: directory with config.json and model.safetensors (or an index + shards).
@@ -173,10 +176,11 @@ def iter_hf_tensors(params, cfg: DecoderConfig, *, critic: bool = False,
     for row in param_table(cfg, critic=critic):
         arr = get_path(params, row.path)
         out_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype is not None else np.dtype(arr.dtype)
-        slices = [arr[i] for i in range(cfg.num_hidden_layers)] if row.stacked else [arr]
-        for name, piece in zip(row.hf_names(cfg.num_hidden_layers), slices):
+        names = iter(row.hf_names())
+        for piece in ([arr[i] for i in range(len(row.layers))] if row.stacked else [arr]):
             host = np.asarray(jax.device_get(piece)).astype(out_dtype, copy=False)  # a view when it can be
-            yield name, (np.ascontiguousarray(host.T) if row.transpose else host)
+            for tensor in (host if row.experts else [host]):  # a layer's experts: one HF tensor each
+                yield next(names), (np.ascontiguousarray(tensor.T) if row.transpose else tensor)
 
 
 def _parse_size(size: int | str) -> int:

@@ -2,7 +2,9 @@
 
 HF import, HF export, checkpoint export and the vLLM weight sync all walk `param_table(cfg)`, which
 picks the family's layer rows by `cfg.model_type` (Qwen2: biased q/k/v; Qwen3: q/k norms, no biases;
-Llama: neither) around the rows every family shares (embedding, final norm, head or value head). Each row
+Llama: neither) around the rows every family shares (embedding, final norm, head or value head). A
+Qwen3-MoE's sparse layers carry a router and per-expert rows (one HF tensor per layer and expert,
+stacked as [L, E, ...] in ours); its dense layers, if any, form a second stack (`dense_layers`). Each row
 says where a tensor lives in our params (a path into the nested dict), its HF name (with `{i}` for
 the layer index of stacked layer params), whether its layout is transposed relative to HF's
 (`nn.Linear` stores [out, in]; we store [in, out]), and its logical sharding axes.
@@ -18,19 +20,31 @@ from jaxrl_llm.models.config import DecoderConfig
 @dataclasses.dataclass(frozen=True)
 class ParamRow:
     path: tuple[str, ...]  # into the nested params dict
-    hf_name: str  # "model.layers.{i}.self_attn.q_proj.weight" for stacked rows
+    hf_name: str  # "model.layers.{i}.self_attn.q_proj.weight" for stacked rows ({j}: the expert)
     transpose: bool  # ours is HF's transposed (linear kernels)
     axes: tuple[str | None, ...]  # logical sharding axes of our layout
-    stacked: bool = False  # leading [L] axis in ours; one HF tensor per layer
+    stacked: bool = False  # leading layer axis in ours; one HF tensor per layer
+    layers: tuple[int, ...] = ()  # the HF layer index of each slot of the stacked axis (set by param_table)
+    experts: int = 0  # > 0: a second leading axis of this many experts; one HF tensor per (layer, expert)
 
-    def hf_names(self, num_layers: int) -> list[str]:
+    def hf_names(self) -> list[str]:
+        """HF names in our order: layer-major, then expert."""
         if not self.stacked:
             return [self.hf_name]
-        return [self.hf_name.format(i=i) for i in range(num_layers)]
+        if self.experts:
+            return [self.hf_name.format(i=i, j=j) for i in self.layers for j in range(self.experts)]
+        return [self.hf_name.format(i=i) for i in self.layers]
 
     def shape(self, cfg: DecoderConfig) -> tuple[int, ...]:
         """Our (stacked, transposed) shape."""
-        return _SHAPES[self.path[-2:] if self.stacked else self.path](cfg)
+        if not self.stacked:
+            return _SHAPES[self.path](cfg)
+        return (len(self.layers),) + _LAYER_SHAPES[self.path[-2:]](cfg)
+
+    def hf_shape(self, cfg: DecoderConfig) -> tuple[int, ...]:
+        """The shape of each of the row's HF tensors."""
+        per = self.shape(cfg)[int(self.stacked) + int(self.experts > 0):]
+        return tuple(reversed(per)) if self.transpose else per
 
 
 def _layer(path, hf, axes, transpose):
@@ -54,38 +68,46 @@ _MLP = [
     _layer(("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", ("embed", "mlp"), True),
     _layer(("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", ("mlp", "embed"), True),
 ]
+# A sparse layer's MLP (Qwen3-MoE): the router [D, E], then per-expert SwiGLU weights [E, D, I] / [E, I, D]
+# that HF stores one tensor per expert (`mlp.experts.{j}.gate_proj.weight`, [I, D]).
+_MOE = [
+    _layer(("mlp", "gate", "kernel"), "mlp.gate.weight", ("embed", None), True),
+    *(dataclasses.replace(_layer(("mlp", "experts", name), f"mlp.experts.{{j}}.{name}.weight", axes, True), experts=-1)
+      for name, axes in (("gate_proj", ("expert", "embed", "mlp")), ("up_proj", ("expert", "embed", "mlp")),
+                         ("down_proj", ("expert", "mlp", "embed")))),
+]
 
-# One decoder layer's rows, per family (keyed by HF model_type).
+# One decoder layer's attention and norm rows, per family (keyed by HF model_type); the MLP rows follow.
 LAYER_TABLES = {
-    "qwen2": [_INPUT_NORM, _Q, _Q_BIAS, _K, _K_BIAS, _V, _V_BIAS, _O, _POST_NORM, *_MLP],
-    "qwen3": [_INPUT_NORM, _Q, _Q_NORM, _K, _K_NORM, _V, _O, _POST_NORM, *_MLP],
-    "llama": [_INPUT_NORM, _Q, _K, _V, _O, _POST_NORM, *_MLP],
+    "qwen2": [_INPUT_NORM, _Q, _Q_BIAS, _K, _K_BIAS, _V, _V_BIAS, _O, _POST_NORM],
+    "qwen3": [_INPUT_NORM, _Q, _Q_NORM, _K, _K_NORM, _V, _O, _POST_NORM],
+    "qwen3_moe": [_INPUT_NORM, _Q, _Q_NORM, _K, _K_NORM, _V, _O, _POST_NORM],
+    "llama": [_INPUT_NORM, _Q, _K, _V, _O, _POST_NORM],
 }
-_ALL_LAYER_ROWS = {row.path: row for rows in LAYER_TABLES.values() for row in rows}.values()
 
-
-def _per_layer_shape(path):
-    c = {
-        ("input_layernorm", "weight"): lambda c: (c.hidden_size,),
-        ("post_attention_layernorm", "weight"): lambda c: (c.hidden_size,),
-        ("q_proj", "kernel"): lambda c: (c.hidden_size, c.q_dim),
-        ("q_proj", "bias"): lambda c: (c.q_dim,),
-        ("k_proj", "kernel"): lambda c: (c.hidden_size, c.kv_dim),
-        ("k_proj", "bias"): lambda c: (c.kv_dim,),
-        ("v_proj", "kernel"): lambda c: (c.hidden_size, c.kv_dim),
-        ("v_proj", "bias"): lambda c: (c.kv_dim,),
-        ("q_norm", "weight"): lambda c: (c.head_dim,),
-        ("k_norm", "weight"): lambda c: (c.head_dim,),
-        ("o_proj", "kernel"): lambda c: (c.q_dim, c.hidden_size),
-        ("gate_proj", "kernel"): lambda c: (c.hidden_size, c.intermediate_size),
-        ("up_proj", "kernel"): lambda c: (c.hidden_size, c.intermediate_size),
-        ("down_proj", "kernel"): lambda c: (c.intermediate_size, c.hidden_size),
-    }[path]
-    return lambda cfg: (cfg.num_hidden_layers,) + c(cfg)
-
+# Per-layer shapes of the stacked rows, keyed by the last two path entries.
+_LAYER_SHAPES = {
+    ("input_layernorm", "weight"): lambda c: (c.hidden_size,),
+    ("post_attention_layernorm", "weight"): lambda c: (c.hidden_size,),
+    ("q_proj", "kernel"): lambda c: (c.hidden_size, c.q_dim),
+    ("q_proj", "bias"): lambda c: (c.q_dim,),
+    ("k_proj", "kernel"): lambda c: (c.hidden_size, c.kv_dim),
+    ("k_proj", "bias"): lambda c: (c.kv_dim,),
+    ("v_proj", "kernel"): lambda c: (c.hidden_size, c.kv_dim),
+    ("v_proj", "bias"): lambda c: (c.kv_dim,),
+    ("q_norm", "weight"): lambda c: (c.head_dim,),
+    ("k_norm", "weight"): lambda c: (c.head_dim,),
+    ("o_proj", "kernel"): lambda c: (c.q_dim, c.hidden_size),
+    ("gate_proj", "kernel"): lambda c: (c.hidden_size, c.intermediate_size),
+    ("up_proj", "kernel"): lambda c: (c.hidden_size, c.intermediate_size),
+    ("down_proj", "kernel"): lambda c: (c.intermediate_size, c.hidden_size),
+    ("gate", "kernel"): lambda c: (c.hidden_size, c.num_experts),
+    ("experts", "gate_proj"): lambda c: (c.num_experts, c.hidden_size, c.moe_intermediate_size),
+    ("experts", "up_proj"): lambda c: (c.num_experts, c.hidden_size, c.moe_intermediate_size),
+    ("experts", "down_proj"): lambda c: (c.num_experts, c.moe_intermediate_size, c.hidden_size),
+}
 
 _SHAPES = {
-    **{row.path[-2:]: _per_layer_shape(row.path[-2:]) for row in _ALL_LAYER_ROWS},
     ("model", "embed_tokens", "embedding"): lambda c: (c.vocab_size, c.hidden_size),
     ("model", "norm", "weight"): lambda c: (c.hidden_size,),
     ("lm_head", "kernel"): lambda c: (c.hidden_size, c.vocab_size),
@@ -101,7 +123,11 @@ def param_table(cfg: DecoderConfig, *, critic: bool = False) -> list[ParamRow]:
     """All rows for a causal LM (or, with `critic`, the value model) of this config."""
     rows = [ParamRow(("model", "embed_tokens", "embedding"), "model.embed_tokens.weight", False,
                      ("vocab", "embed"))]
-    rows += LAYER_TABLES[cfg.model_type]
+    for stack, layer_ids in cfg.layer_stacks.items():  # `layers`, and a MoE's `dense_layers`
+        sparse = cfg.is_moe and stack == "layers"
+        for row in LAYER_TABLES[cfg.model_type] + (_MOE if sparse else _MLP):
+            rows.append(dataclasses.replace(row, path=("model", stack) + row.path[2:], layers=layer_ids,
+                                            experts=cfg.num_experts if row.experts else 0))
     rows.append(ParamRow(("model", "norm", "weight"), "model.norm.weight", False, ("norm",)))
     if critic:
         rows.append(ParamRow(("score", "kernel"), "score.weight", True, ("embed", "value")))

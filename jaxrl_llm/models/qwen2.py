@@ -1,12 +1,14 @@
-"""The decoder of every supported family (Qwen2/2.5, Qwen3, Llama 3.x) in Flax NNX.
+"""The decoder of every supported family (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x) in Flax NNX.
 
 One model, with the family's switches read from its config (`families.py`): biases on q/k/v
 (Qwen2), a per-head RMSNorm on q and k before RoPE (Qwen3), Llama 3's scaled RoPE frequencies
-(`rope.py`), an explicit head_dim and a tied or untied head (all).
+(`rope.py`), routed experts in the sparse layers (Qwen3-MoE, `moe.py`), an explicit head_dim and a
+tied or untied head (all).
 
 Module and parameter names follow HF (`model.layers.self_attn.q_proj.kernel`), so the HF table in
 `hf_table.py` is mostly renames. Decoder layers are stacked on a leading axis and run with
-`lax.scan`, which keeps compile time flat in depth and lets remat wrap one layer.
+`lax.scan`, which keeps compile time flat in depth and lets remat wrap one layer. A MoE with dense
+layers among its sparse ones keeps one stack per kind and scans them in runs (`cfg.layer_runs`).
 
 Shapes: B batch, T query length, S key length, D model, N q-heads, K kv-heads, G = N // K,
 H head dim, F mlp, V vocab, L layers.
@@ -28,6 +30,7 @@ from flax import nnx
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.moe import SparseMoeBlock, load_balancing_loss
 from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -193,29 +196,24 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    """Attention and an MLP: dense SwiGLU, or (`sparse`, Qwen3-MoE) routed experts (`moe.py`)."""
+
+    def __init__(self, cfg: DecoderConfig, *, sparse: bool = False, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
         self.self_attn = Attention(cfg, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = SparseMoeBlock(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, cos, sin, *, mask, lengths):
-        """x: [B, T, D] -> [B, T, D], self-attention over the same T tokens."""
-        impl = self.self_attn.impl
-        attend = lambda q, k, v: (dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=impl), None)
-        return self.forward(x, cos, sin, attend)[0]
-
-    def forward(self, x, cos, sin, attend):
-        """The layer body with a pluggable attention, so the sampler can attend over its KV cache.
-
-        `attend(q [B, T, N, H], k, v [B, T, K, H]) -> (out [B, T, N, H], aux)`; returns (x, aux).
-        """
+    def __call__(self, x, cos, sin, *, mask, lengths, valid=None):
+        """x: [B, T, D] -> (x [B, T, D], router stats of a sparse layer or None); self-attention over the
+        same T tokens. `valid` [B, T] marks the tokens the router stats count (None: all)."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
-        out, aux = attend(q, k, v)
+        out = dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=self.self_attn.impl)
         x = x + self.self_attn.output(out)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        x = sharding.constrain(x, ("batch", "length", "act_embed"))
-        return x, aux
+        y = self.post_attention_layernorm(x)
+        y, stats = self.mlp(y, valid) if isinstance(self.mlp, SparseMoeBlock) else (self.mlp(y), None)
+        x = sharding.constrain(x + y, ("batch", "length", "act_embed"))
+        return x, stats
 
 
 def _dots_and_attention_saveable(prim, *args, **params) -> bool:
@@ -242,16 +240,25 @@ class DecoderModel(nnx.Module):
                                       param_dtype=_dtype(cfg.param_dtype), dtype=_dtype(cfg.dtype),
                                       rngs=rngs)
 
-        @nnx.split_rngs(splits=cfg.num_hidden_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_hidden_layers)
-        def make_layers(rngs):
-            return DecoderLayer(cfg, rngs=rngs)
+        def make_layers(count, sparse):
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=count)
+            def make(rngs):
+                return DecoderLayer(cfg, sparse=sparse, rngs=rngs)
 
-        self.layers = make_layers(rngs)
+            return make(rngs)
+
+        # One stack per kind of layer (`cfg.layer_stacks`): all layers of a dense model; a MoE's
+        # sparse layers, and its dense ones (mlp_only_layers, decoder_sparse_step) in `dense_layers`.
+        stacks = cfg.layer_stacks
+        self.layers = make_layers(len(stacks["layers"]), cfg.is_moe)
+        self.dense_layers = make_layers(len(stacks["dense_layers"]), False) if "dense_layers" in stacks else None
         self.norm = RMSNorm(cfg.hidden_size, cfg=cfg)
 
-    def __call__(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None, lengths=None):
-        """Final hidden states [B, T, D] in the compute dtype.
+    def __call__(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None, lengths=None,
+                 with_router_stats: bool = False):
+        """Final hidden states [B, T, D] in the compute dtype (with `with_router_stats`: and the MoE
+        router's load-balancing sums over every sparse layer, [2, E + 1], see `moe.router_stats`).
 
         Args:
           input_ids: [B, T] int.
@@ -262,10 +269,11 @@ class DecoderModel(nnx.Module):
         """
         cfg = self.cfg
         b, t = input_ids.shape
-        mask = None
+        mask = valid = None
         if segment_ids is None and attention_mask is not None:
             segment_ids = attention_mask.astype(jnp.int32)
         if segment_ids is not None:
+            valid = segment_ids > 0
             lengths = None
             idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
             mask = segment_mask(segment_ids, segment_ids, idx, idx)
@@ -273,22 +281,32 @@ class DecoderModel(nnx.Module):
                 positions = positions_from_segments(segment_ids)
         elif lengths is None:
             lengths = jnp.full((b,), t, jnp.int32)
+        else:
+            valid = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         x = self.embed_tokens(input_ids)  # [B, T, D]
         x = sharding.constrain(x, ("batch", "length", "act_embed"))
 
-        graphdef, layer_state = nnx.split(self.layers)
+        stats = None
+        for name, start, stop in cfg.layer_runs:  # one run for every family but a mixed MoE
+            graphdef, layer_state = nnx.split(getattr(self, name))
+            if (start, stop) != (0, len(cfg.layer_stacks[name])):
+                layer_state = jax.tree.map(lambda a, s=start, e=stop: a[s:e], layer_state)
 
-        def body(h, state):
-            layer = nnx.merge(graphdef, state)
-            return layer(h, cos, sin, mask=mask, lengths=lengths), None
+            def body(h, state, graphdef=graphdef):
+                layer = nnx.merge(graphdef, state)
+                return layer(h, cos, sin, mask=mask, lengths=lengths, valid=valid)
 
-        if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, layer_state)
-        return self.norm(x)
+            if cfg.remat != "none":
+                body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+            x, run_stats = jax.lax.scan(body, x, layer_state)
+            if run_stats is not None:
+                run_stats = jnp.sum(run_stats, axis=0)
+                stats = run_stats if stats is None else stats + run_stats
+        x = self.norm(x)
+        return (x, stats) if with_router_stats else x
 
 
 class DecoderForCausalLM(nnx.Module):
@@ -315,8 +333,16 @@ class DecoderForCausalLM(nnx.Module):
         return jnp.dot(hidden, self.lm_head_weight(), preferred_element_type=jnp.float32)
 
     def hidden_states(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None,
-                      lengths=None) -> jax.Array:
-        return self.model(input_ids, positions, attention_mask, segment_ids=segment_ids, lengths=lengths)
+                      lengths=None, with_router_stats: bool = False) -> jax.Array:
+        return self.model(input_ids, positions, attention_mask, segment_ids=segment_ids, lengths=lengths,
+                          with_router_stats=with_router_stats)
+
+    def logits_and_router_aux_loss(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None,
+                        lengths=None) -> tuple[jax.Array, jax.Array]:
+        """(fp32 logits [B, T, V], the MoE load-balancing loss as transformers computes it, unscaled)."""
+        h, stats = self.hidden_states(input_ids, positions, attention_mask, segment_ids=segment_ids,
+                                      lengths=lengths, with_router_stats=True)
+        return self.logits_from_hidden(h), load_balancing_loss(stats)
 
     def __call__(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None, lengths=None):
         h = self.model(input_ids, positions, attention_mask, segment_ids=segment_ids, lengths=lengths)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import sharding
+from jaxrl_llm.models.moe import moe_mlp
 from jaxrl_llm.models.qwen2 import _MASK_VALUE, dot_product_attention, rms_norm, segment_mask
 from jaxrl_llm.models.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
 from jaxrl_llm.rollout.sampling import sample_next, token_logprobs
@@ -48,6 +49,8 @@ class DecodeSpec:
     pad_id: int
     max_new_tokens: int
     attention: str = "xla"  # decode attention: "xla" (reads every cache slot) or "pallas" (valid slots only)
+    moe_top_k: int = 0  # Qwen3-MoE: experts per token in the sparse layers
+    norm_topk_prob: bool = False
 
     def inv_freq(self) -> jax.Array:
         """RoPE inverse frequencies [H/2], from the function the trainer's model uses too."""
@@ -58,7 +61,9 @@ def engine_layer(layer: dict, dtype) -> dict:
     """One trainer layer (pure dict, unstacked) -> the fused engine layer.
 
     The family's optional weights carry over when the trainer layer has them: q/k/v biases (Qwen2)
-    as `qkv_b`, the per-head q/k norms (Qwen3) as `q_norm` / `k_norm`.
+    as `qkv_b`, the per-head q/k norms (Qwen3) as `q_norm` / `k_norm`. A sparse (MoE) layer has the
+    router `router_w` [D, E] and the experts `expert_gate_w`, `expert_up_w` [E, D, I], `expert_down_w`
+    [E, I, D] in place of the dense MLP.
     """
     a, m = layer["self_attn"], layer["mlp"]
     cast = lambda x: x.astype(dtype)
@@ -67,9 +72,13 @@ def engine_layer(layer: dict, dtype) -> dict:
         "qkv_w": cast(jnp.concatenate([a["q_proj"]["kernel"], a["k_proj"]["kernel"], a["v_proj"]["kernel"]], -1)),
         "o_w": cast(a["o_proj"]["kernel"]),
         "ln2": cast(layer["post_attention_layernorm"]["weight"]),
-        "gate_up_w": cast(jnp.concatenate([m["gate_proj"]["kernel"], m["up_proj"]["kernel"]], -1)),
-        "down_w": cast(m["down_proj"]["kernel"]),
     }
+    if "experts" in m:
+        out["router_w"] = cast(m["gate"]["kernel"])
+        out.update({f"expert_{k}_w": cast(m["experts"][f"{k}_proj"]) for k in ("gate", "up", "down")})
+    else:
+        out["gate_up_w"] = cast(jnp.concatenate([m["gate_proj"]["kernel"], m["up_proj"]["kernel"]], -1))
+        out["down_w"] = cast(m["down_proj"]["kernel"])
     if "bias" in a["q_proj"]:
         out["qkv_b"] = cast(jnp.concatenate([a["q_proj"]["bias"], a["k_proj"]["bias"], a["v_proj"]["bias"]], -1))
     if "q_norm" in a:
@@ -80,7 +89,8 @@ def engine_layer(layer: dict, dtype) -> dict:
 ENGINE_LAYER_AXES = {
     "ln1": ("norm",), "qkv_w": ("embed", "q_heads"), "qkv_b": ("q_heads",), "o_w": ("q_heads", "embed"),
     "ln2": ("norm",), "gate_up_w": ("embed", "mlp"), "down_w": ("mlp", "embed"), "q_norm": ("norm",),
-    "k_norm": ("norm",),
+    "k_norm": ("norm",), "router_w": ("embed", None), "expert_gate_w": ("expert", "embed", "mlp"),
+    "expert_up_w": ("expert", "embed", "mlp"), "expert_down_w": ("expert", "mlp", "embed"),
 }
 
 
@@ -101,6 +111,10 @@ def _layer(lp: dict, x, cos, sin, attend, spec: DecodeSpec):
     out, aux = attend(apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v)
     x = x + jnp.dot(out.reshape(b, t, n * h), lp["o_w"])
     y = rms_norm(x, lp["ln2"], spec.rms_norm_eps)
+    if "router_w" in lp:  # a sparse layer: grouped matmuls over the routed experts (models/moe.py)
+        y, _ = moe_mlp(y, None, lp["router_w"], lp["expert_gate_w"], lp["expert_up_w"], lp["expert_down_w"],
+                       top_k=spec.moe_top_k, norm_topk_prob=spec.norm_topk_prob)
+        return x + y, aux
     gate, up = jnp.split(jnp.dot(y, lp["gate_up_w"]), 2, axis=-1)  # [B, T, F] each
     x = x + jnp.dot(jax.nn.silu(gate) * up, lp["down_w"])
     return x, aux

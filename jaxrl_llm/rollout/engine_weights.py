@@ -50,17 +50,20 @@ class EngineWeights:
 
     def _engine_shardings(self):
         cfg, mesh = self.cfg, self.mesh
-        shapes = jax.eval_shape(lambda layer: decode.engine_layer(layer, jnp.dtype(cfg.dtype)), _abstract_layer(cfg))
 
         def sh(axes, shape):
             if mesh is None:
                 return SingleDeviceSharding(jax.devices()[0])
             return sharding.named_sharding(mesh, axes, shape, rules=sharding.ENGINE_RULES)
 
-        layer = {k: sh(decode.ENGINE_LAYER_AXES[k], v.shape) for k, v in shapes.items()}
+        per_stack = {}
+        for stack in cfg.layer_stacks:  # one layout per kind of layer (dense, or a MoE's sparse layers)
+            shapes = jax.eval_shape(lambda layer: decode.engine_layer(layer, jnp.dtype(cfg.dtype)),
+                                    _abstract_layer(cfg, stack))
+            per_stack[stack] = {k: sh(decode.ENGINE_LAYER_AXES[k], v.shape) for k, v in shapes.items()}
         return {
             "embed": sh(("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size)),
-            "layers": [layer] * cfg.num_hidden_layers,
+            "layers": [per_stack[stack] for stack, _ in layer_slots(cfg)],
             "norm": sh(("norm",), (cfg.hidden_size,)),
             "head": sh(("embed", "vocab"), (cfg.hidden_size, cfg.vocab_size)),
         }
@@ -68,8 +71,8 @@ class EngineWeights:
     def _to_engine(self, params):
         dt = jnp.dtype(self.cfg.dtype)
         m = params["model"]
-        layers = [decode.engine_layer(jax.tree.map(lambda x, i=i: x[i], m["layers"]), dt)
-                  for i in range(self.cfg.num_hidden_layers)]
+        layers = [decode.engine_layer(jax.tree.map(lambda x, j=j: x[j], m[stack]), dt)
+                  for stack, j in layer_slots(self.cfg)]
         embed = m["embed_tokens"]["embedding"].astype(dt)
         head = embed.T if self.cfg.tie_word_embeddings else params["lm_head"]["kernel"].astype(dt)
         return {"embed": embed, "layers": layers, "norm": m["norm"]["weight"].astype(dt), "head": head}
@@ -118,7 +121,8 @@ class EngineWeights:
             temperature=float(sampling.temperature),
             top_k=max(0, int(sampling.top_k)), top_p=float(sampling.top_p), stop_ids=tuple(sorted(set(stops))),
             pad_id=self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0,
-            max_new_tokens=int(sampling.max_new_tokens), attention=attention)
+            max_new_tokens=int(sampling.max_new_tokens), attention=attention,
+            moe_top_k=self.cfg.num_experts_per_tok if self.cfg.is_moe else 0, norm_topk_prob=self.cfg.norm_topk_prob)
 
     def _request_spec(self, prompts, sampling: SamplingParams) -> decode.DecodeSpec:
         """Checks a request before any work (one clear error per problem); returns its decode spec."""
@@ -145,13 +149,19 @@ def row_budgets(max_new_tokens_per_row, rows: int, max_new_tokens: int) -> np.nd
     return out
 
 
-def _abstract_layer(cfg: Qwen2Config) -> dict:
-    """ShapeDtypeStructs of one unstacked trainer layer in the engine dtype."""
+def layer_slots(cfg: Qwen2Config) -> list[tuple[str, int]]:
+    """(stack, index in the stack) of each decoder layer in execution order (see `cfg.layer_stacks`)."""
+    where = {i: (stack, j) for stack, ids in cfg.layer_stacks.items() for j, i in enumerate(ids)}
+    return [where[i] for i in range(cfg.num_hidden_layers)]
+
+
+def _abstract_layer(cfg: Qwen2Config, stack: str = "layers") -> dict:
+    """ShapeDtypeStructs of one unstacked trainer layer of `stack` in the engine dtype."""
     from jaxrl_llm.models.params import graphdef_and_abstract_params
 
     _, abstract = graphdef_and_abstract_params(cfg)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], jnp.dtype(cfg.dtype)),
-                        abstract["model"]["layers"])
+                        abstract["model"][stack])
 
 
 class _null_ctx:

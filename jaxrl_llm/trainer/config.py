@@ -378,6 +378,7 @@ class TrainerConfig:
     mesh_data: int = 1
     mesh_fsdp: int = -1
     mesh_tensor: int = 1
+    mesh_expert: int = 1  # splits a MoE's experts (its devices are data-parallel elsewhere)
     ref_offload: bool = False
     dump_batches: bool = False
     replay_batches_from: str | None = None

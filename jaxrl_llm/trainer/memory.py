@@ -33,7 +33,7 @@ def _param_count(cfg: Qwen2Config) -> int:
 
 def saved_bytes_per_token(cfg: Qwen2Config, remat: str, act_bytes: int = 2) -> int:
     """Activations kept for the backward pass, per token, over all layers."""
-    d, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    d, f, layers = cfg.hidden_size, cfg.active_intermediate_size, cfg.num_hidden_layers
     if remat == "full":
         per_layer = d
     else:  # "dots" (and "none", which keeps at least as much): the matmul outputs, the attention's
@@ -56,7 +56,7 @@ def estimate_step_bytes(cfg: Qwen2Config, *, remat: str, tokens_per_device: int,
         total += 2.0 * n / tensor
     total += saved_bytes_per_token(cfg, remat) * tokens_per_device
     # One layer's recomputed activations (a few [tokens, F] buffers) and the chunked logits in fp32.
-    total += tokens_per_device * (4 * cfg.intermediate_size * 2 + logprob_chunk * 4)
+    total += tokens_per_device * (4 * cfg.active_intermediate_size * 2 + logprob_chunk * 4)
     return total
 
 

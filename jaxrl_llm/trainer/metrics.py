@@ -1,7 +1,8 @@
 """Step metrics with veRL's names: data statistics, timing, throughput, MFU and memory.
 
-FLOPs follow veRL's `FlopsCounter` for Qwen2, so MFU figures are comparable:
+FLOPs follow veRL's `FlopsCounter` for Qwen2 (and Qwen3-MoE), so MFU figures are comparable:
   dense params N = L·(3·D·F + D·(2·N·H + 2·K·H)) + 2·V·D  (embedding and LM head both counted)
+  a MoE's sparse layer counts its active MLP instead of 3·D·F: k·3·D·I + D·E (k experts and the router)
   FLOPs = 6·N·tokens + 12·Σ seqlen²·H·N_heads·L
 (6 = forward 2 + backward 4 per multiply-add; the second term is causal-agnostic attention, as veRL).
 """
@@ -25,7 +26,9 @@ def veRL_flops(cfg: Qwen2Config, seqlens: np.ndarray) -> float:
     """Training FLOPs (fwd + bwd) of sequences of these lengths, veRL's formula."""
     d, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     attn_linear = d * (2 * cfg.q_dim + 2 * cfg.kv_dim)
-    dense = layers * (3 * d * f + attn_linear) + 2 * cfg.vocab_size * d
+    sparse = sum(cfg.is_sparse_layer(i) for i in range(layers))
+    moe_mlp = cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size + d * cfg.num_experts
+    dense = (layers - sparse) * 3 * d * f + sparse * moe_mlp + layers * attn_linear + 2 * cfg.vocab_size * d
     seqlens = np.asarray(seqlens, np.float64)
     attn = 12 * float(np.sum(seqlens ** 2)) * cfg.head_dim * cfg.num_attention_heads * layers
     return 6.0 * dense * float(np.sum(seqlens)) + attn

@@ -27,6 +27,7 @@ from jaxrl_llm.algorithms import (
     get_policy_loss_fn,
     token_metric_mean,
 )
+from jaxrl_llm.models.moe import load_balancing_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ActorLossSettings:
     kl_loss_type: str = "low_var_kl"
     chunk_size: int = 8192
     on_policy: bool = False  # one mini-batch, one epoch: the old log-probs are the current ones
+    router_aux_loss_coef: float = 0.0  # MoE load-balancing loss weight (model's output_router_logits)
 
 
 def gather_response(packed: jax.Array, resp_pos: jax.Array) -> jax.Array:
@@ -49,14 +51,19 @@ def gather_response(packed: jax.Array, resp_pos: jax.Array) -> jax.Array:
 
 
 def token_logprobs(model, mb, *, temperature: float, chunk_size: int, with_entropy: bool = False,
-                   with_sum_pi_squared: bool = False) -> dict[str, jax.Array]:
+                   with_sum_pi_squared: bool = False, with_router_aux: bool = False) -> dict[str, jax.Array]:
     """Per-token outputs of every response token under `model`, never forming [N, V] logits.
 
     Returns:
       {"log_prob": [S, Tr]} float32, plus "entropy" and "sum_pi_squared" (Σ_v π(v)², forward only) [S, Tr]
-      when asked for.
+      when asked for, and (`with_router_aux`, a MoE) the scalar "router_aux_loss" over the packed tokens.
     """
-    hidden = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"])  # [rows, L, D]
+    hidden = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"],
+                                 with_router_stats=with_router_aux)  # [rows, L, D]
+    aux = None
+    if with_router_aux:
+        hidden, stats = hidden
+        aux = load_balancing_loss(stats)
     outs = compute_token_logprobs(hidden, model.lm_head_weight(), mb["targets"], temperature=temperature,
                                   chunk_size=chunk_size, with_entropy=with_entropy,
                                   with_sum_pi_squared=with_sum_pi_squared)  # each [rows, L]
@@ -65,6 +72,8 @@ def token_logprobs(model, mb, *, temperature: float, chunk_size: int, with_entro
         out["entropy"] = gather_response(outs[1], mb["resp_pos"])
     if with_sum_pi_squared:
         out["sum_pi_squared"] = gather_response(outs[-1], mb["resp_pos"])
+    if aux is not None:
+        out["router_aux_loss"] = aux
     return out
 
 
@@ -105,7 +114,8 @@ def actor_loss(params, graphdef, mb, norm: LossNorm, s: ActorLossSettings):
     selection of the clip_cov / kl_cov losses).
     """
     model = nnx.merge(graphdef, params)
-    outs = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size, with_entropy=True)
+    outs = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size, with_entropy=True,
+                          with_router_aux=s.router_aux_loss_coef > 0)
     logp, ent = outs["log_prob"], outs["entropy"]
     mask = mb.get("loss_mask", mb["response_mask"])
     old = jax.lax.stop_gradient(logp) if s.on_policy else mb["old_log_prob"]
@@ -121,6 +131,12 @@ def actor_loss(params, graphdef, mb, norm: LossNorm, s: ActorLossSettings):
         kl = compute_kl_loss(logp, mb["ref_log_prob"], mask, s.kl_loss_type, agg_mode, norm=norm)
         loss = loss + s.kl_loss_coef * kl
         metrics["actor/kl_loss"] = kl
+    if s.router_aux_loss_coef > 0:
+        # The load-balancing loss of this micro-batch's tokens, weighted by its share of the mini-batch's
+        # loss tokens so that micro-batches add up (like transformers, one loss per forward).
+        aux = outs["router_aux_loss"] * jnp.sum(mask) / norm.num_tokens
+        loss = loss + s.router_aux_loss_coef * aux
+        metrics["actor/router_aux_loss"] = jax.lax.stop_gradient(aux)
     if "rollout_log_probs" in mb:
         # Trainer-sampler mismatch on this micro-batch's tokens (mean is additive; max is maxed).
         gap = jnp.abs(jax.lax.stop_gradient(logp) - mb["rollout_log_probs"])

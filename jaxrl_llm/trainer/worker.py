@@ -114,7 +114,7 @@ class TrainerWorker:
     def __init__(self, run: RunConfig, *, total_steps: int, model_cfg: Qwen2Config | None = None):
         self.run = run
         t = run.trainer
-        self.mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor)
+        self.mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor, expert=t.mesh_expert)
         self.dp = sharding.data_parallel_size(self.mesh)
         self.cfg = model_cfg or model_config(run)
         if model_cfg is None and run.model.remat == "auto":
@@ -182,7 +182,8 @@ class TrainerWorker:
             return load_params(path, self.cfg, mesh=self.mesh, critic=True)
         # veRL initialises the critic from the actor checkpoint with a fresh value head.
         lm = load_params(path, self.cfg, mesh=self.mesh)
-        head = init_params(self.cfg.replace(num_hidden_layers=1, vocab_size=8), seed=m.seed + 1, critic=True)
+        head_cfg = self.cfg.replace(num_hidden_layers=1, vocab_size=8, mlp_only_layers=(), decoder_sparse_step=1)
+        head = init_params(head_cfg, seed=m.seed + 1, critic=True)
         score = jax.tree.map(lambda x, sh: distributed.put(distributed.fetch(x), sh), head["score"],
                              self.critic_sh["score"])
         return {"model": lm["model"], "score": score}
@@ -233,7 +234,8 @@ class TrainerWorker:
         self.loss_settings = steps.ActorLossSettings(
             temperature=temp, policy=self.policy_loss, entropy_coeff=run.actor.entropy_coeff,
             use_kl_loss=run.actor.use_kl_loss, kl_loss_coef=run.actor.kl_loss_coef,
-            kl_loss_type=run.actor.kl_loss_type, chunk_size=chunk, on_policy=self.on_policy)
+            kl_loss_type=run.actor.kl_loss_type, chunk_size=chunk, on_policy=self.on_policy,
+            router_aux_loss_coef=self.cfg.router_aux_loss_coef if self.cfg.output_router_logits else 0.0)
         # clip_cov / kl_cov choose their tokens over the whole mini-batch, from the current policy.
         self.cov_select = (jax.jit(functools.partial(select_cov_tokens, config=self.policy_loss))
                            if self.policy_loss.loss_mode in ("clip_cov", "kl_cov") else None)

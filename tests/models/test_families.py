@@ -1,15 +1,14 @@
 """Model families in config.json: each supported one is read as its family, and what we cannot run
-(mixture of experts, sliding windows, other RoPE types, ...) is one ConfigError naming the field."""
+(other mixtures of experts, sliding windows, other RoPE types, ...) is one ConfigError naming the field."""
 
 import pytest
 
 from jaxrl_llm.models import PRESETS, ConfigError, DecoderConfig, RopeScaling
 
-# Qwen/Qwen3-30B-A3B's config.json (the parts that matter): a Qwen3 mixture of experts.
-QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
-                 intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                 decoder_sparse_step=1, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                 head_dim=128, rope_theta=1000000.0, tie_word_embeddings=False)
+# A Mixtral-style MoE key on a dense family (Qwen3-MoE itself is supported: tests/models/test_moe.py).
+MIXTRAL_KEYS = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=2048,
+                    intermediate_size=6144, num_local_experts=8, num_hidden_layers=48, num_attention_heads=32,
+                    num_key_value_heads=4, head_dim=128)
 
 
 def _hub(name, **edits):
@@ -24,7 +23,7 @@ def _hub(name, **edits):
 
 
 @pytest.mark.parametrize("raw,match", [
-    (QWEN3_MOE, r"num_experts=128: mixture-of-experts models are not supported \(model_type='qwen3_moe'\)"),
+    (MIXTRAL_KEYS, r"num_local_experts=8: mixture-of-experts models are not supported for model_type='qwen3'"),
     (_hub("qwen2p5_0p5b", use_sliding_window=True, sliding_window=4096), r"use_sliding_window=true is not supported"),
     (_hub("qwen3_0p6b", layer_types=["full_attention"] * 27 + ["sliding_attention"]),
      r"layer_types has \['sliding_attention'\]; only 'full_attention'"),
@@ -42,7 +41,7 @@ def _hub(name, **edits):
     (_hub("qwen3_8b", architectures=["Qwen2ForCausalLM"]),
      r"architectures=\['Qwen2ForCausalLM'\] is not supported for model_type 'qwen3'; jaxrl_llm loads "
      r"Qwen3ForCausalLM, Qwen3ForTokenClassification"),
-], ids=["qwen3_moe", "sliding_window", "sliding_layer_types", "rope_yarn", "rope_parameters_dynamic", "gelu",
+], ids=["moe_keys_on_qwen3", "sliding_window", "sliding_layer_types", "rope_yarn", "rope_parameters_dynamic", "gelu",
         "attention_bias", "mlp_bias", "qwen3_attention_bias", "mistral", "arch_mismatch"])
 def test_unsupported_config_is_one_error_naming_the_field(raw, match):
     with pytest.raises(ConfigError, match=r"config dict: " + match):

@@ -97,7 +97,9 @@ def test_llama3_rope_scaling_changes_the_logits(tmp_path):
 
 
 @pytest.mark.parametrize("family,extra", [("qwen2", {}), ("qwen3", dict(head_dim=24)),
-                                          ("llama", dict(rope_scaling=LLAMA3_ROPE))])
+                                          ("llama", dict(rope_scaling=LLAMA3_ROPE)),
+                                          ("qwen3_moe", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                             moe_intermediate_size=32, mlp_only_layers=[0]))])
 def test_critic_loads_token_classification_then_roundtrip(tmp_path, family, extra):
     """The family's *ForTokenClassification (num_labels 1) is the value model: values equal HF's logits."""
     hf_dir, out_dir = tmp_path / "hf", tmp_path / "export"

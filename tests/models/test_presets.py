@@ -26,6 +26,8 @@ HF_COUNTS = {
     "llama3p2_1b": 1_235_814_400,
     "llama3p2_3b": 3_212_749_824,
     "llama3p1_8b": 8_030_261_248,
+    "qwen3_30b_a3b": 30_532_122_624,
+    "qwen3_235b_a22b": 235_093_634_560,
 }
 
 # The config.json of each released checkpoint (Qwen/Qwen3-*, meta-llama/Llama-3.x-*-Instruct), as on the hub.
@@ -40,7 +42,14 @@ _LLAMA3 = dict(architectures=["LlamaForCausalLM"], model_type="llama", attention
                rope_theta=500000.0, torch_dtype="bfloat16", use_cache=True, vocab_size=128256)
 _LLAMA3_ROPE = dict(high_freq_factor=4.0, low_freq_factor=1.0, original_max_position_embeddings=8192,
                     rope_type="llama3")
+# Qwen/Qwen3-30B-A3B: Qwen3 with 128 experts, top-8, every layer sparse. (Qwen3-235B-A22B's count above is
+# transformers' on the meta device; building that model takes half a minute, so it is not rebuilt here.)
+_QWEN3_MOE = dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", decoder_sparse_step=1,
+                  mlp_only_layers=[], norm_topk_prob=True, num_experts=128, num_experts_per_tok=8,
+                  output_router_logits=False, router_aux_loss_coef=0.001, tie_word_embeddings=False)
 HUB_CONFIGS = {
+    "qwen3_30b_a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          max_window_layers=48, num_attention_heads=32, num_hidden_layers=48, num_key_value_heads=4),
     "qwen3_0p6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, max_window_layers=28, num_attention_heads=16,
                        num_hidden_layers=28, num_key_value_heads=8, tie_word_embeddings=True),
     "qwen3_1p7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, max_window_layers=28, num_attention_heads=16,

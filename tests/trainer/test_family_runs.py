@@ -1,5 +1,6 @@
-"""The other families through the whole trainer: a tiny GRPO run (rollout, log-prob and update steps,
-Orbax checkpoint), then `python -m jaxrl_llm.export` and a transformers reload with the same logits."""
+"""The other families (Qwen3-MoE included) through the whole trainer: a tiny GRPO run (rollout,
+log-prob and update steps, Orbax checkpoint), then `python -m jaxrl_llm.export` and a transformers
+reload with the same logits."""
 
 import json
 import subprocess
@@ -23,6 +24,10 @@ FAMILIES = {
     "llama": ("{'vocab_size': 16, 'model_type': 'llama', 'rope_scaling': {'rope_type': 'llama3', 'factor': 8.0, "
               "'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 4}}",
               "LlamaForCausalLM"),
+    # Qwen3-MoE with a dense layer after the sparse one and the router's load-balancing loss on.
+    "qwen3_moe": ("{'vocab_size': 16, 'model_type': 'qwen3_moe', 'head_dim': 16, 'num_experts': 4, "
+                  "'num_experts_per_tok': 2, 'moe_intermediate_size': 32, 'norm_topk_prob': True, "
+                  "'mlp_only_layers': [1], 'output_router_logits': True}", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -35,6 +40,8 @@ def test_family_trains_checkpoints_and_exports(family, tmp_path):
     rows = runs.by_step(runs.metrics(run_dir))
     assert rows[1]["actor/grad_norm"] > 0 and all(np.isfinite(r["actor/pg_loss"]) for r in rows.values())
     assert rows[2]["actor/ppo_kl"] != 0  # the step-2 update moved the policy between its two mini-batches
+    if family == "qwen3_moe":  # E · Σ f·P: k = 2 for a uniform router, at most E = 4
+        assert all(1.0 <= r["actor/router_aux_loss"] <= 4.0 for r in rows.values())
 
     res = subprocess.run([sys.executable, "-m", "jaxrl_llm.export", "--checkpoint", str(run_dir), "--out",
                           str(out_dir), "--dtype", "float32"], cwd=runs.REPO, capture_output=True, text=True)

@@ -1,0 +1,201 @@
+"""Qwen3-MoE on one GPU (issue 23): grouped matmul throughput, the actor update's MFU on active
+parameters, and decode tokens/s.
+
+  python scripts/bench_moe.py --out $OUT/moe.jsonl                  # Qwen3-30B-A3B's width, layers that fit
+  python scripts/bench_moe.py --preset tiny_moe --tokens 256 --rows 4 --new-tokens 8   # CPU smoke
+
+* grouped: one expert projection of T tokens routed top-k over E experts ([T k, D] x [E, D, I]) with
+  `jax.lax.ragged_dot` (what models/moe.py runs), against a dense [T k, D] x [D, I] matmul of the same
+  FLOPs and a capacity-padded batched matmul ([E, C, D] x [E, D, I], C = 1.25 T k / E, the GShard
+  layout); forward, and forward + backward.
+* update: the GRPO actor step (models forward/backward through `trainer/steps.py`'s actor loss with the
+  router loss on, then AdamW) on packed rows of random tokens; MFU counts active parameters
+  (`veRL_flops`: k experts and the router a sparse layer).
+* decode: the paged JAX engine generating `--new-tokens` for `--rows` rows of random prompts.
+
+The preset keeps its full width (128 experts, top-8 for Qwen3-30B-A3B); `--layers` (default: as many
+as the device memory holds for fp32 params + AdamW, and separately for bf16 decode) cuts the depth.
+Rows are JSON lines on stdout (and in `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxrl_llm.models.config import PRESETS  # noqa: E402
+from jaxrl_llm.trainer.metrics import peak_tflops, veRL_flops  # noqa: E402
+from scripts.bench_common import timeit  # noqa: E402
+
+OUT_FILE: str | None = None
+
+
+def emit(**row):
+    row = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"), **row}
+    line = json.dumps(row)
+    print(line, flush=True)
+    if OUT_FILE:
+        with open(OUT_FILE, "a") as f:
+            f.write(line + "\n")
+
+
+def fitting_layers(cfg, bytes_per_param: float, reserve_gb: float) -> int:
+    """Decoder layers whose params (at `bytes_per_param`, optimizer state included) fit the device
+    beside the embedding and head and `reserve_gb` for activations or KV pages; 2 on CPU."""
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    if limit is None:
+        return min(2, cfg.num_hidden_layers)
+    one = cfg.replace(num_hidden_layers=1, mlp_only_layers=())
+    embed_head = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+    per_layer = one.num_params() - embed_head
+    free = 0.9 * limit - reserve_gb * 1e9 - embed_head * bytes_per_param
+    return int(max(1, min(cfg.num_hidden_layers, free // (per_layer * bytes_per_param))))
+
+
+def grouped(cfg, tokens: int, seed: int = 0):
+    """ragged_dot vs a dense matmul of the same FLOPs vs the capacity-padded batched matmul."""
+    e, k, d, i = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    dt = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(keys[0], (tokens * k, d), dt)
+    w = jax.random.normal(keys[1], (e, d, i), dt) * 0.02
+    experts = jax.random.randint(keys[2], (tokens * k,), 0, e)
+    group_sizes = jnp.bincount(experts, length=e).astype(jnp.int32)
+    cap = int(np.ceil(1.25 * tokens * k / e))
+    xc = jax.random.normal(keys[3], (e, cap, d), dt)
+    flops = 2.0 * tokens * k * d * i
+    cases = {
+        "ragged_dot": (lambda a, b: jax.lax.ragged_dot(a, b, group_sizes), (x, w), flops),
+        "dense_same_flops": (lambda a, b: a @ b, (x, w[0]), flops),
+        "capacity_bmm": (lambda a, b: jnp.einsum("ecd,edi->eci", a, b), (xc, w), 2.0 * e * cap * d * i),
+    }
+    for name, (fn, args, f) in cases.items():
+        fwd = jax.jit(fn)
+        bwd = jax.jit(jax.grad(lambda a, b, fn=fn: jnp.sum(fn(a, b).astype(jnp.float32)), argnums=(0, 1)))
+        t_f = timeit(fwd, *args, iters=10, warm_s=0.5)
+        t_b = timeit(bwd, *args, iters=10, warm_s=0.5)
+        emit(section="grouped", what=name, tokens=tokens, experts=e, top_k=k, d=d, i=i, dtype=str(jnp.dtype(dt)),
+             useful_gflop=flops / 1e9, fwd_ms=t_f * 1e3, fwd_tflops=flops / t_f / 1e12,
+             fwd_bwd_ms=t_b * 1e3, fwd_bwd_tflops=3 * flops / t_b / 1e12, executed_gflop=f / 1e9)
+
+
+def update(cfg, rows: int, length: int, seed: int = 0):
+    """One actor update (grad step + AdamW) on `rows` packed rows of `length` tokens, one sequence a row."""
+    import optax
+
+    from jaxrl_llm.algorithms import LossNorm
+    from jaxrl_llm.models import graphdef_and_abstract_params, init_params, param_shardings
+    from jaxrl_llm.trainer import steps
+    from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch
+
+    rng = np.random.default_rng(seed)
+    prompt, resp = length // 4, length - length // 4
+    batch = TrainBatch(prompt_ids=[rng.integers(0, cfg.vocab_size, prompt).astype(np.int32) for _ in range(rows)],
+                       responses=rng.integers(0, cfg.vocab_size, (rows, resp)).astype(np.int32),
+                       response_mask=np.ones((rows, resp), np.float32), group_ids=np.arange(rows, dtype=np.int32))
+    batch.fields["advantages"] = rng.standard_normal((rows, resp)).astype(np.float32)
+    batch.fields["old_log_prob"] = np.full((rows, resp), -10.0, np.float32)
+    mb = build_micro_batch(batch, [(r, r, 0) for r in range(rows)], PackShape(rows, length, rows, resp),
+                           fields=("advantages", "old_log_prob"))
+    mb = {k: jnp.asarray(v) for k, v in mb.items()}
+    norm = LossNorm(jnp.float32(rows * resp), jnp.float32(rows), jnp.float32(resp))
+
+    graphdef, _ = graphdef_and_abstract_params(cfg)
+    shardings = param_shardings(cfg, None)
+    params = init_params(cfg, seed=seed)
+    tx = optax.adamw(1e-6)
+    state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.int32(0), "skipped": jnp.int32(0)}
+    settings = steps.ActorLossSettings(router_aux_loss_coef=cfg.router_aux_loss_coef, chunk_size=4096)
+    grad = steps.make_grad_step(steps.actor_loss, graphdef, shardings, s=settings)
+    metrics0 = steps.make_metrics_init(steps.actor_loss, graphdef, s=settings)
+    apply = steps.make_apply_step(tx, jax.tree.map(lambda x: x.sharding, state))
+    zeros = steps.make_zeros(shardings)
+
+    def step(state):
+        g, m = grad(state["params"], zeros(state["params"]), metrics0(state["params"], mb, norm), mb, norm)
+        return apply(state, g)
+
+    for _ in range(2):  # compile, then warm
+        state, out = step(state)
+        jax.block_until_ready(state)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        state, out = step(state)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t0)
+    dt = float(np.median(times))
+    flops = veRL_flops(cfg, np.full(rows, length))
+    emit(section="update", layers=cfg.num_hidden_layers, rows=rows, length=length, remat=cfg.remat, seconds=dt,
+         tokens_per_s=rows * length / dt, active_params=cfg.num_params(active=True), total_params=cfg.num_params(),
+         tflops=flops / dt / 1e12, mfu=flops / dt / 1e12 / peak_tflops(), grad_norm=float(out["grad_norm"]))
+
+
+def decode(cfg, rows: int, new_tokens: int, prompt_len: int, seed: int = 0):
+    from jaxrl_llm.models import init_params
+    from jaxrl_llm.rollout import JaxEngine, SamplingParams
+
+    eng = JaxEngine(cfg, init_params(cfg, seed=seed), dtype=cfg.dtype, max_num_seqs=rows,
+                    max_prompt_length=prompt_len)  # the initial params are freed once converted
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(rows)]
+    sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    t0 = time.perf_counter()
+    eng.generate(prompts, sp)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = eng.generate(prompts, sp.replace(seed=1))
+    dt = time.perf_counter() - t0
+    emit(section="decode", layers=cfg.num_hidden_layers, rows=rows, prompt_len=prompt_len, new_tokens=new_tokens,
+         generated=int(out.lengths.sum()), seconds=dt, first_call_s=first, tokens_per_s=float(out.lengths.sum()) / dt)
+
+
+def main() -> None:
+    global OUT_FILE
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen3_30b_a3b", help="a MoE preset (tiny_moe for the CPU smoke test)")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (0: as many as fit)")
+    p.add_argument("--sections", default="grouped,update,decode")
+    p.add_argument("--tokens", type=int, default=16384, help="grouped: tokens routed")
+    p.add_argument("--update-rows", type=int, default=8)
+    p.add_argument("--update-length", type=int, default=2048)
+    p.add_argument("--remat", default="full", choices=("none", "full", "dots"))
+    p.add_argument("--rows", type=int, default=256, help="decode: rows")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--out", default=None, help="append the JSON rows to this file")
+    args = p.parse_args()
+    OUT_FILE = args.out
+    base = PRESETS[args.preset]()
+    if not base.is_moe:
+        raise SystemExit(f"--preset {args.preset!r} is not a mixture of experts; use qwen3_30b_a3b or tiny_moe")
+    sections = args.sections.split(",")
+    gpu = jax.default_backend() == "gpu"
+    if "grouped" in sections:
+        grouped(base, args.tokens)
+    if "update" in sections:
+        # fp32 params, AdamW mu/nu, the gradient accumulator and one step's gradient
+        layers = args.layers or fitting_layers(base, 20.0, reserve_gb=12.0)
+        cfg = base.replace(num_hidden_layers=layers, dtype="bfloat16" if gpu else "float32", param_dtype="float32",
+                           remat=args.remat, output_router_logits=True)
+        update(cfg, args.update_rows, args.update_length)
+    if "decode" in sections:
+        # bf16 weights twice (the initial params and the engine's copy); KV pages in the reserve
+        layers = args.layers or fitting_layers(base, 4.0, reserve_gb=16.0)
+        dt = "bfloat16" if gpu else "float32"
+        decode(base.replace(num_hidden_layers=layers, dtype=dt, param_dtype=dt), args.rows, args.new_tokens,
+               args.prompt_len)
+
+
+if __name__ == "__main__":
+    main()
