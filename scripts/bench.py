@@ -530,7 +530,7 @@ def main() -> None:
     ap.add_argument("--compile_cache", default="", help="JAX persistent compilation cache dir ('' = off)")
     args = ap.parse_args()
     from jaxrl_llm import distributed
-    from jaxrl_llm.train import enable_compilation_cache
+    from jaxrl_llm.trainer.process import enable_compilation_cache
 
     distributed.initialize(distributed.spec_from_env())  # the launcher's processes join here
     enable_compilation_cache(args.compile_cache)

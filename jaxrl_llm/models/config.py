@@ -32,7 +32,7 @@ class DecoderConfig:
     compute is the usual training setup). `remat` picks the activation-checkpoint policy of the layer
     scan: "none", "full" (recompute the whole layer) or "dots" (save matmul outputs).
     `attention_impl` is "xla", "cudnn" (flash attention, GPU only) or "auto" (cudnn on GPU when the
-    dtype is 16-bit, else xla).
+    dtype is 16-bit, else xla). `lora_*` add LoRA adapters to the model (not part of HF's config.json).
     """
 
     model_type: str = "qwen2"
@@ -56,6 +56,10 @@ class DecoderConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     attention_impl: str = "auto"
+    # LoRA adapters on the linear layers named in `lora_targets` (see `models/lora.py`); 0 is off.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         families.family(self.model_type)  # a ConfigError naming the supported families
