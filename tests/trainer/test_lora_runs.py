@@ -29,9 +29,13 @@ def _paths(tree):
 
 def test_only_the_adapters_train_and_the_base_is_the_frozen_reference(tmp_path):
     run = runs.run_config("train.driver='inprocess'", *LORA, "model.dtype='bfloat16'", "actor.use_kl_loss=True",
-                          run_dir=tmp_path / "run")
+                          "algorithm.adv_estimator='gae'", run_dir=tmp_path / "run")  # PPO: a critic too
     trainer = RLTrainer(run)
     w = trainer.worker.obj
+    # The critic takes adapters too; its value head is new and trains in full.
+    critic_trained = _paths(w.critic.state["params"])
+    assert {p[0] for p in critic_trained if not is_adapter(p)} == {"score"}
+    assert any(is_adapter(p) for p in critic_trained) and not any(is_adapter(p) for p in _paths(w.critic.frozen))
     trained, frozen = w.actor.state["params"], w.actor.frozen
     assert _paths(trained) and all(is_adapter(p) for p in _paths(trained))
     assert not any(is_adapter(p) for p in _paths(frozen))
@@ -52,14 +56,19 @@ def test_only_the_adapters_train_and_the_base_is_the_frozen_reference(tmp_path):
     batch.fields["ref_log_prob"] = w.compute_ref_log_prob(batch)
     batch.fields["advantages"] = np.random.default_rng(0).normal(size=batch.response_mask.shape).astype(np.float32)
     w.update_actor(batch, 0)
+    critic_before = _host(w.critic.frozen)
+    batch.fields["values"] = w.compute_values(batch)
+    batch.fields["returns"] = batch.fields["values"] + batch.fields["advantages"]
+    w.update_critic(batch, 0)
+    jax.tree.map(np.testing.assert_array_equal, _host(w.critic.frozen), critic_before)
     trained_after = _host(w.actor.state["params"])
     jax.tree.map(np.testing.assert_array_equal, _host(w.actor.frozen), frozen_before)
     lora_b = [a for p, a in zip(_paths(trained_after), jax.tree.leaves(trained_after)) if p[-1] == "lora_b"]
     assert all(np.any(b) for b in lora_b) and not any(np.any(b) for b in jax.tree.leaves(trained_before)[1::2])
-    # The engine decodes with the adapters: its weights are the base with them merged in.
+    # The engine decodes with the adapters: after the sync its weights are the base with them merged in.
+    w.sync_rollout_weights(1)
     merged = _host(w.actor.merged())
-    jax.tree.map(lambda e, m: np.testing.assert_allclose(np.asarray(e, np.float32), np.asarray(m, np.float32)),
-                 _host(w.engine.params), merged)
+    jax.tree.map(np.testing.assert_array_equal, _host(w.engine.params), _host(w.engine._convert(w.actor.merged())))
     q = ("model", "layers", "self_attn", "q_proj", "kernel")
     base_q, merged_q = frozen_before, merged
     for k in q:
