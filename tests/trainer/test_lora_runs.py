@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.export import load_checkpoint_params
 from jaxrl_llm.export import main as export_main
@@ -29,9 +30,16 @@ def _paths(tree):
 
 def test_only_the_adapters_train_and_the_base_is_the_frozen_reference(tmp_path):
     run = runs.run_config("train.driver='inprocess'", *LORA, "model.dtype='bfloat16'", "actor.use_kl_loss=True",
-                          "algorithm.adv_estimator='gae'", run_dir=tmp_path / "run")  # PPO: a critic too
+                          "algorithm.adv_estimator='gae'",  # PPO: a critic too
+                          "train.mesh_fsdp=4", "train.mesh_tensor=2", run_dir=tmp_path / "run")
     trainer = RLTrainer(run)
     w = trainer.worker.obj
+    # Adapters shard like the kernels they adapt: lora_a on the kernel's input axis, lora_b on its output one.
+    q = w.actor.state["params"]["model"]["layers"]["self_attn"]["q_proj"]
+    kernel_spec = w.actor.frozen["model"]["layers"]["self_attn"]["q_proj"]["kernel"].sharding.spec
+    assert q["lora_a"].sharding.spec == P(kernel_spec[0], kernel_spec[1], None)
+    assert q["lora_b"].sharding.spec == P(kernel_spec[0], None, kernel_spec[2])
+    assert kernel_spec[1] == "fsdp" and kernel_spec[2] == "tensor" and len(q["lora_a"].sharding.device_set) == 8
     # The critic takes adapters too; its value head is new and trains in full.
     critic_trained = _paths(w.critic.state["params"])
     assert {p[0] for p in critic_trained if not is_adapter(p)} == {"score"}
@@ -77,12 +85,12 @@ def test_only_the_adapters_train_and_the_base_is_the_frozen_reference(tmp_path):
 
 
 def test_kill_resume_export_and_start_from_the_adapter(tmp_path):
-    steps = 3
+    steps = 4
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     out = runs.run(ref_dir, *LORA, "train.save_freq=1", steps=steps)
     assert out.returncode == 0, out.stderr[-3000:]
     reference = runs.by_step(runs.metrics(ref_dir))
-    resumed = runs.kill_then_resume(run_dir, *LORA, "train.save_freq=1", steps=steps, kill_after=[1])
+    resumed = runs.kill_then_resume(run_dir, *LORA, "train.save_freq=1", steps=steps, kill_after=[2])
     assert resumed == reference
 
     # The checkpoint holds the adapters (and their optimizer state) only.
