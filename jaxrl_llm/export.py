@@ -1,9 +1,11 @@
-"""`python -m jaxrl_llm.export --checkpoint RUN_DIR[/checkpoints/STEP] --out DIR [--dtype bfloat16]`
+"""`python -m jaxrl_llm.export --checkpoint RUN_DIR[/checkpoints/STEP] --out DIR [--dtype bfloat16] [--merge]`
 
 Writes the actor of a run checkpoint as a HF directory (config.json, safetensors, generation config,
 the run's tokenizer) that transformers and vLLM load, for any supported family (the checkpoint keeps
 the model's HF config). With `--critic` it writes the critic as the family's `*ForTokenClassification`
-instead. Parameters are restored on the host, so no accelerator is needed.
+instead. A LoRA run's actor is written as a PEFT adapter directory (adapter_config.json +
+adapter_model.safetensors) for the base it was trained on; `--merge` writes the base with the adapters
+merged in as a full HF directory instead. Parameters are restored on the host, so no accelerator is needed.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxrl_llm.checkpoint import NoValidCheckpointError, RunCheckpointer, resolve_resume
+from jaxrl_llm.models import init_params, load_params
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.hf_io import write_hf_dir
+from jaxrl_llm.models.lora import LoraSpec, merge_adapters
+from jaxrl_llm.models.peft_io import save_peft
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +35,12 @@ def _host_target(metadata):
 
 def load_checkpoint_params(checkpoint: str, *, critic: bool = False):
     """(step, params on the host, DecoderConfig, run dir) of a run checkpoint (the latest valid one when
-    `checkpoint` is a run dir or a checkpoints dir)."""
+    `checkpoint` is a run dir or a checkpoints dir); a LoRA run's params are its trained leaves."""
+    return load_checkpoint(checkpoint, critic=critic)[:4]
+
+
+def load_checkpoint(checkpoint: str, *, critic: bool = False):
+    """`load_checkpoint_params` and the checkpoint's meta."""
     directory, step = resolve_resume(checkpoint, checkpoint)
     ckpt = RunCheckpointer(directory, read_only=True)
     steps = ckpt.steps() if step is None else [step]
@@ -48,7 +58,8 @@ def load_checkpoint_params(checkpoint: str, *, critic: bool = False):
             args = ocp.args.StandardRestore(_host_target(meta[item]))
             out = ckpt.manager.restore(s, args=ocp.args.Composite(**{item: args, "meta": ocp.args.JsonRestore()}))
             run_dir = os.path.dirname(ckpt.directory)
-            return s, out[item]["params"], DecoderConfig.from_hf(dict(out["meta"]["model"])), run_dir
+            meta = dict(out["meta"])
+            return s, out[item]["params"], DecoderConfig.from_hf(dict(meta["model"])), run_dir, meta
         except NoValidCheckpointError:
             raise
         except Exception as e:  # a corrupted step: try the one before, as resume does
@@ -58,13 +69,37 @@ def load_checkpoint_params(checkpoint: str, *, critic: bool = False):
 
 
 def export(checkpoint: str, out_dir: str, *, dtype: str | None = "bfloat16", critic: bool = False,
-           tokenizer_dir: str | None = None, max_shard_size: str = "5GB") -> str:
-    step, params, cfg, run_dir = load_checkpoint_params(checkpoint, critic=critic)
+           tokenizer_dir: str | None = None, max_shard_size: str = "5GB", merge: bool = False) -> str:
+    step, params, cfg, run_dir, meta = load_checkpoint(checkpoint, critic=critic)
     tok = tokenizer_dir or os.path.join(run_dir, "tokenizer")
+    lora = meta.get("lora")
+    if lora and critic:
+        raise ValueError("--critic: the critic of a LoRA run cannot be exported yet; export the actor")
+    if lora and not merge:
+        spec = LoraSpec(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
+        save_peft(params, spec, out_dir, base_model=lora["path"] or lora["preset"], dtype=dtype)
+        log.info("exported the LoRA adapters of step %d of %s to %s", step, checkpoint, out_dir)
+        return out_dir
+    if lora:
+        params = merged_params(params, cfg, lora)
     write_hf_dir(params, cfg, out_dir, critic=critic, tokenizer_dir=tok if os.path.isdir(tok) else None,
                  dtype=dtype, max_shard_size=max_shard_size)
     log.info("exported step %d of %s to %s", step, checkpoint, out_dir)
     return out_dir
+
+
+def merged_params(adapters: dict, cfg: DecoderConfig, lora: dict) -> dict:
+    """The run's base (its HF dir, or its random preset re-drawn from the seed) with the adapters merged in,
+    in fp32 on the host."""
+    spec = LoraSpec(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
+    if lora["path"] is not None:
+        if not os.path.isdir(lora["path"]):
+            raise FileNotFoundError(f"--merge: the run's base model {lora['path']!r} is not a directory here; "
+                                    "export without --merge (a PEFT directory) or run where the base is")
+        base = load_params(lora["path"], cfg)
+    else:
+        base = init_params(cfg.replace(param_dtype=lora["param_dtype"]), seed=lora["seed"])
+    return jax.jit(merge_adapters, static_argnums=(2, 3))(base, adapters, spec, jax.numpy.float32)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,10 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="tensor dtype in the export (float32, bfloat16)")
     ap.add_argument("--critic", action="store_true", help="export the critic (value model) instead")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the run's saved tokenizer)")
+    ap.add_argument("--merge", action="store_true", help="LoRA run: write the base with the adapters merged in "
+                    "(a full HF directory) instead of a PEFT adapter directory")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        out = export(args.checkpoint, args.out, dtype=args.dtype, critic=args.critic, tokenizer_dir=args.tokenizer)
+        out = export(args.checkpoint, args.out, dtype=args.dtype, critic=args.critic, tokenizer_dir=args.tokenizer,
+                     merge=args.merge)
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,8 @@ import tokenize
 
 import gin
 
+from jaxrl_llm.trainer.process import run_process, setup_logging
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 log = logging.getLogger("jaxrl_llm")
@@ -107,44 +109,6 @@ def _one_line(e: BaseException) -> str:
     """The message on one line, without the "In call to configurable ..." lines that gin appends."""
     lines = [line.strip() for line in str(e).splitlines()]
     return " / ".join(line for line in lines if line and not line.startswith("In call to configurable"))
-
-
-def setup_logging(level: str, process_id: int = 0) -> None:
-    """Process 0 logs at `level`; the other processes of a run only warnings and errors, tagged."""
-    tag = f"[p{process_id}] " if process_id else ""
-    logging.basicConfig(level=level if process_id == 0 else "WARNING", force=True,
-                        format=f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "jax._src.xla_bridge", "tensorboardX"):  # orbax progress and backend probing
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def enable_compilation_cache(path: str) -> None:
-    """JAX's persistent compilation cache in `path` ("" = off): a repeated or resumed run loads its
-    compiled programs instead of compiling them again."""
-    if not path:
-        return
-    import jax
-
-    path = os.path.abspath(os.path.expanduser(path))
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        log.warning("train.compilation_cache_dir %s is not usable (%s); compiling without a cache", path, e)
-        return
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def run_process(run, operative_config: str, spec) -> dict:
-    """One process of a run: joins the others (if any), then builds the trainer and trains."""
-    from jaxrl_llm import distributed
-    from jaxrl_llm.trainer.loop import RLTrainer
-
-    distributed.initialize(spec, heartbeat_timeout_s=run.trainer.heartbeat_timeout_s)
-    enable_compilation_cache(run.trainer.compilation_cache_dir)
-    trainer = RLTrainer(run, operative_config=operative_config, inprocess=spec.multi)
-    return trainer.fit()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -228,7 +228,8 @@ def rollout(presets, batches, small: bool, new_tokens: int = 232):
 
 def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat: str, fsdp: int = -1, tensor: int = 1,
              max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run",
-             max_batch: int = 4096, decode_attention: str = "auto", kv_cache: str = "paged"):
+             max_batch: int = 4096, decode_attention: str = "auto", kv_cache: str = "paged", lora_rank: int = 0,
+             lora_alpha: float = 64.0):
     from jaxrl_llm.models.config import PRESETS
     from jaxrl_llm.trainer import config as C
 
@@ -240,12 +241,15 @@ def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat
                             # Qwen2 token ids: a model of a smaller vocabulary (Llama 3) gets Qwen2's, so the
                             # real prompts stay in range (+2-4% parameters at Llama's shapes)
                             overrides={"vocab_size": 151936} if small or PRESETS[preset]().vocab_size < 151936
-                            else None),
+                            else None,
+                            # LoRA on every linear layer (rank 0: full fine-tuning), at 10x the learning rate
+                            lora_rank=lora_rank, lora_alpha=lora_alpha),
         data=C.DataConfig(source="files", train_files=(os.path.join(d, "gsm8k_test.jsonl"),),
                           train_batch_size=prompts, max_prompt_length=max_prompt, max_response_length=max_response),
         rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=max_batch, decode_attention=decode_attention,
                                 kv_cache=kv_cache),
-        actor=C.ActorConfig(lr=1e-6, ppo_mini_batch_size=mini, ppo_max_token_len_per_gpu=budget, use_kl_loss=True,
+        actor=C.ActorConfig(lr=1e-5 if lora_rank else 1e-6, ppo_mini_batch_size=mini,
+                            ppo_max_token_len_per_gpu=budget, use_kl_loss=True,
                             kl_loss_coef=0.001, kl_loss_type="low_var_kl"),
         critic=C.CriticConfig(), algo=C.AlgoConfig(adv_estimator="grpo"), reward=C.RewardConfig(),
         trainer=C.TrainerConfig(run_dir=run_dir, logger=("jsonl",), driver="inprocess", mesh_fsdp=fsdp,
@@ -300,14 +304,15 @@ def train(presets, small: bool, remat_list):
             with jax.set_mesh(worker.mesh):
                 mb = worker._put(mb_np)
                 norm = LossNorm(jnp.float32(bsz * (seq - 1)), jnp.float32(bsz), jnp.float32(seq - 1))
-                params = worker.actor_state["params"]
-                metrics0 = worker.actor_metrics0(params, mb, norm)
+                params, frozen = worker.actor_state["params"], worker.actor.frozen
+                metrics0 = worker.actor_metrics0(worker.actor.params(), mb, norm)
 
                 def step(w=worker, p=params, mb=mb, norm=norm):
-                    return w.actor_grad(p, w.actor_zeros(p), w.actor_metrics0(p, mb, norm), mb, norm)[0]
+                    m0 = w.actor_metrics0(w.actor.params(), mb, norm)
+                    return w.actor_grad(p, w.actor.frozen, w.actor_zeros(p), m0, mb, norm)[0]
 
                 dt_grad = timeit(step, iters=3)
-                mem = compiled_gb(worker.actor_grad, params, worker.actor_zeros(params), metrics0, mb, norm)
+                mem = compiled_gb(worker.actor_grad, params, frozen, worker.actor_zeros(params), metrics0, mb, norm)
             tokens = bsz * seq
             flops = veRL_flops(cfg, np.full(bsz, seq))
             emit(section="train_peer_shape", preset=preset, remat=remat, batch=bsz, seq=seq, fwd_bwd_s=dt_grad,
@@ -345,7 +350,8 @@ def train(presets, small: bool, remat_list):
 
 
 def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, remat: str = "full",
-        budget: int = 32768, decode_attention: str = "auto", kv_cache: str = "paged"):
+        budget: int = 32768, decode_attention: str = "auto", kv_cache: str = "paged", lora_rank: int = 0,
+        lora_alpha: float = 64.0):
     from jaxrl_llm.trainer.loop import RLTrainer
 
     for preset in presets:
@@ -355,7 +361,8 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
         run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else budget,
                        remat=remat, small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
                        run_dir=tempfile.mkdtemp(), fsdp=fsdp, tensor=tensor,
-                       max_batch=4096 * n_dev, decode_attention=decode_attention, kv_cache=kv_cache)
+                       max_batch=4096 * n_dev, decode_attention=decode_attention, kv_cache=kv_cache,
+                       lora_rank=lora_rank, lora_alpha=lora_alpha)
         t_init = time.perf_counter()
         trainer = RLTrainer(run)
         if jax.process_index() == 0:
@@ -397,7 +404,8 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
             mesh = "x".join(f"{k}{v}" for k, v in trainer.worker.obj.mesh.shape.items() if v > 1) or "1"
             pool = {f"kv/{k}": v for k, v in getattr(engine, "last_stats", {}).items()
                     if k in ("num_pages", "kv_bytes", "preemptions", "row_steps", "tokens", "budget_source")}
-            emit(section="e2e", preset=preset, mesh=mesh, remat=remat, decode_attention=decode_attention, step=step,
+            emit(section="e2e", preset=preset, mesh=mesh, remat=remat, lora_rank=lora_rank,
+                 decode_attention=decode_attention, step=step,
                  kv_cache=kv_cache, device_peak_gb=device_gb(), **pool, devices=n_dev,
                  processes=jax.process_count(), wall_s=wall, compile_s=compile_s[0], prompts=n_prompts, n=n,
                  budget=budget, **keep)
@@ -528,9 +536,11 @@ def main() -> None:
     ap.add_argument("--kv_cache", default="paged", help="e2e: rollout.kv_cache (paged or dense)")
     ap.add_argument("--sync_dirs", default="/tmp", help="sync: where the weights checkpoint goes (e.g. /tmp,/dev/shm)")
     ap.add_argument("--compile_cache", default="", help="JAX persistent compilation cache dir ('' = off)")
+    ap.add_argument("--lora_rank", type=int, default=0, help="e2e: model.lora_rank on all linear layers (0: full)")
+    ap.add_argument("--lora_alpha", type=float, default=64.0, help="e2e: model.lora_alpha")
     args = ap.parse_args()
     from jaxrl_llm import distributed
-    from jaxrl_llm.train import enable_compilation_cache
+    from jaxrl_llm.trainer.process import enable_compilation_cache
 
     distributed.initialize(distributed.spec_from_env())  # the launcher's processes join here
     enable_compilation_cache(args.compile_cache)
@@ -571,7 +581,7 @@ def main() -> None:
     run("rollout", rollout, presets, batches, args.small)
     run("train", train, train_presets, args.small, args.remat.split(","))
     run("e2e", e2e, train_presets, args.small, args.steps, args.fsdp, args.tensor, args.remat.split(",")[0],
-        args.token_budget, args.decode_attention, args.kv_cache)
+        args.token_budget, args.decode_attention, args.kv_cache, args.lora_rank, args.lora_alpha)
     run("sync", sync, presets, args.small, args.sync_dirs.split(","))
     if not main_process:
         return

@@ -71,7 +71,7 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     log_handler = None
     if compile_cache:
-        from jaxrl_llm.train import enable_compilation_cache
+        from jaxrl_llm.trainer.process import enable_compilation_cache
         enable_compilation_cache(compile_cache)
         # Per program: tracing, lowering and compile (or cache hit) times, to find what a warm cache misses.
         jax.config.update("jax_log_compiles", True)

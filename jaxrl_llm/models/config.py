@@ -32,7 +32,7 @@ class DecoderConfig:
     compute is the usual training setup). `remat` picks the activation-checkpoint policy of the layer
     scan: "none", "full" (recompute the whole layer) or "dots" (save matmul outputs).
     `attention_impl` is "xla", "cudnn" (flash attention, GPU only) or "auto" (cudnn on GPU when the
-    dtype is 16-bit, else xla).
+    dtype is 16-bit, else xla). `lora_*` add LoRA adapters to the model (not part of HF's config.json).
 
     Mixture of experts (model_type "qwen3_moe", `models/moe.py`): layer i is sparse when it is not in
     `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; a sparse layer routes each token to
@@ -70,6 +70,10 @@ class DecoderConfig:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False
+    # LoRA adapters on the linear layers named in `lora_targets` (see `models/lora.py`); 0 is off.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         families.family(self.model_type)  # a ConfigError naming the supported families

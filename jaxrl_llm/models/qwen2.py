@@ -122,16 +122,35 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel [in, out] stored in param_dtype, computed in dtype."""
+    """y = x @ kernel (+ bias); kernel [in, out] stored in param_dtype, computed in dtype.
 
-    def __init__(self, din: int, dout: int, *, use_bias: bool, cfg: DecoderConfig, rngs: nnx.Rngs):
+    A module whose `name` is in `cfg.lora_targets` also holds a LoRA adapter: y += (x @ lora_a) @ lora_b
+    * alpha / rank, with lora_a [in, r] drawn as PEFT does and lora_b [r, out] zero, so a fresh adapter
+    changes nothing.
+    """
+
+    def __init__(self, din: int, dout: int, *, use_bias: bool, cfg: DecoderConfig, rngs: nnx.Rngs,
+                 name: str = ""):
         init = jax.nn.initializers.normal(cfg.initializer_range)
-        self.kernel = nnx.Param(init(rngs.params(), (din, dout), _dtype(cfg.param_dtype)))
-        self.bias = nnx.Param(jnp.zeros((dout,), _dtype(cfg.param_dtype))) if use_bias else None
+        pdt = _dtype(cfg.param_dtype)
+        self.kernel = nnx.Param(init(rngs.params(), (din, dout), pdt))
+        self.bias = nnx.Param(jnp.zeros((dout,), pdt)) if use_bias else None
         self.dtype = _dtype(cfg.dtype)
+        if cfg.lora_rank and name in cfg.lora_targets:
+            r = cfg.lora_rank
+            bound = din ** -0.5  # PEFT: kaiming_uniform(a=sqrt(5)) on its [r, in] weight
+            self.lora_a = nnx.Param(jax.random.uniform(rngs.params(), (din, r), pdt, -bound, bound))
+            self.lora_b = nnx.Param(jnp.zeros((r, dout), pdt))
+            self.lora_scale = cfg.lora_alpha / r
+        else:
+            self.lora_a = self.lora_b = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        x = x.astype(self.dtype)
+        y = jnp.dot(x, self.kernel[...].astype(self.dtype))
+        if self.lora_a is not None:
+            low = jnp.dot(x, self.lora_a[...].astype(self.dtype))  # [..., r]
+            y = y + jnp.dot(low, self.lora_b[...].astype(self.dtype)) * jnp.asarray(self.lora_scale, self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -156,10 +175,10 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         bias = cfg.qkv_bias
-        self.q_proj = Linear(cfg.hidden_size, cfg.q_dim, use_bias=bias, cfg=cfg, rngs=rngs)
-        self.k_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=bias, cfg=cfg, rngs=rngs)
-        self.v_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=bias, cfg=cfg, rngs=rngs)
-        self.o_proj = Linear(cfg.q_dim, cfg.hidden_size, use_bias=False, cfg=cfg, rngs=rngs)
+        self.q_proj = Linear(cfg.hidden_size, cfg.q_dim, use_bias=bias, cfg=cfg, rngs=rngs, name="q_proj")
+        self.k_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=bias, cfg=cfg, rngs=rngs, name="k_proj")
+        self.v_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=bias, cfg=cfg, rngs=rngs, name="v_proj")
+        self.o_proj = Linear(cfg.q_dim, cfg.hidden_size, use_bias=False, cfg=cfg, rngs=rngs, name="o_proj")
         # Qwen3: RMSNorm over each head's H features (weights shared by the heads), before RoPE.
         self.q_norm = RMSNorm(cfg.head_dim, cfg=cfg) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg=cfg) if cfg.qk_norm else None
@@ -185,9 +204,10 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, cfg=cfg, rngs=rngs)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, cfg=cfg, rngs=rngs)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=False, cfg=cfg, rngs=rngs)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, f, use_bias=False, cfg=cfg, rngs=rngs, name="gate_proj")
+        self.up_proj = Linear(d, f, use_bias=False, cfg=cfg, rngs=rngs, name="up_proj")
+        self.down_proj = Linear(f, d, use_bias=False, cfg=cfg, rngs=rngs, name="down_proj")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, F]

@@ -198,7 +198,8 @@ class JaxEngine(EngineWeights):
 
     def _program(self, name: str, *args, **static):
         """The compiled program `name` for these inputs (see rollout/programs.py); call it with `args`."""
-        return self._programs_for().get(name, getattr(type(self), name), self, args, static)
+        keep = name != "_alloc"  # zeros: compiled in milliseconds, and kept only in memory
+        return self._programs_for().get(name, getattr(type(self), name), self, args, static, keep=keep)
 
     def _programs_for(self) -> Programs:
         """The engine's programs; built on first use, and loading those kept by an earlier run from then on."""

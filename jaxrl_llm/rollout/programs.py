@@ -9,7 +9,8 @@ loaded: about 1.3 s each, so 27 s against a 3.8 s steady rollout.
 
 * **Ahead, in parallel.** `warm` builds a list of programs on a thread pool before the rollout needs them.
   Tracing and lowering hold the GIL; XLA's compile and an executable's load do not, so they overlap.
-* **On disk, keyed without tracing.** Where jax's persistent cache is on (`train.compilation_cache_dir`),
+* **On disk, keyed without tracing.** Where jax's persistent cache is on (`train.compilation_cache_dir`;
+  GPUs and TPUs),
   every compiled program is also written, serialized, under its `jaxrl_engine/` folder. The key is a hash
   of what decides the program: the program's name, its static arguments, every input's shape, dtype and
   sharding, the engine's fingerprint (model config and engine options), the source of this package and of
@@ -85,9 +86,13 @@ def _describe(leaf) -> str:
 
 
 def default_dir() -> str | None:
-    """`<jax's persistent cache dir>/jaxrl_engine`, or None where that cache is off."""
+    """`<jax's persistent cache dir>/jaxrl_engine`, or None where that cache is off or the backend is the CPU
+    (an XLA:CPU executable loaded in another process can miss its kernels: "Function wrapped_broadcast not
+    found"; jax's own cache still serves the CPU)."""
     base = jax.config.jax_compilation_cache_dir
-    return os.path.join(os.path.expanduser(base), SUBDIR) if base else None
+    if not base or jax.devices()[0].platform == "cpu":
+        return None
+    return os.path.join(os.path.expanduser(base), SUBDIR)
 
 
 class Programs:
@@ -135,23 +140,39 @@ class Programs:
             for k in keys:
                 self._pending[k] = self._pool.submit(self._load, k)
 
-    def get(self, name: str, jitted, owner, args: tuple, static: dict):
+    def finish_preload(self) -> int:
+        """Waits for the background loads; returns how many programs they brought back."""
+        with self._lock:
+            pending = dict(self._pending)
+        n = 0
+        for key, future in pending.items():
+            compiled = future.result()
+            with self._lock:
+                self._pending.pop(key, None)
+                if compiled is not None:
+                    _HELD[key] = compiled
+                    n += 1
+        return n
+
+    def get(self, name: str, jitted, owner, args: tuple, static: dict, keep: bool = True):
         """The compiled `jitted(owner, *args, **static)` (a jax.jit method whose arg 0 is static), built or
-        loaded on first use; call it with `args` alone."""
+        loaded on first use; call it with `args` alone. `keep=False`: never on disk (a program that compiles
+        in milliseconds; XLA:CPU fails to run an argument-free one loaded back)."""
         key = self.key(name, args, static)
         with self._lock:
             hit = _HELD.get(key)
             pending = self._pending.get(key)
         if hit is not None:
             return hit
-        compiled = pending.result() if pending is not None else self._load(key)
+        compiled = pending.result() if pending is not None else self._load(key) if keep else None
         if compiled is None:
             t0 = time.perf_counter()
             compiled = jitted.lower(owner, *args, **static).compile()
             with self._lock:
                 self.stats["compiled"] += 1
                 self.stats["compile_s"] += time.perf_counter() - t0
-            self._save(key, compiled)
+            if keep:
+                self._save(key, compiled)
         with self._lock:
             _HELD[key] = compiled
             self._pending.pop(key, None)

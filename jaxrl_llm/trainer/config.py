@@ -42,6 +42,13 @@ class ModelConfig:
     critic_path: str | None = None  # defaults to `path` (veRL initialises the critic from the actor)
     overrides: dict | None = None  # Qwen2Config fields to change (e.g. a smaller vocab for a preset)
     seed: int = 0
+    # LoRA (veRL's actor_rollout_ref.model.*): rank 0 is full fine-tuning. Adapters go on the linear
+    # layers named in target_modules ('all-linear' or names such as q_proj, v_proj) less exclude_modules.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: str | tuple[str, ...] = "all-linear"
+    exclude_modules: tuple[str, ...] = ()
+    lora_adapter_path: str | None = None  # a PEFT adapter directory to start from
 
     def validate(self):
         from jaxrl_llm.models.config import PRESETS
@@ -52,6 +59,17 @@ class ModelConfig:
                f"unknown preset {self.preset!r}; known: {sorted(PRESETS)}")
         _check(self.remat in ("auto", "none", "full", "dots"), "model.remat",
                f"{self.remat!r}; use 'auto', 'none', 'full' or 'dots'")
+        self._validate_lora()
+
+    def _validate_lora(self):
+        from jaxrl_llm.models.errors import ConfigError
+        from jaxrl_llm.models.lora import check_settings
+
+        try:
+            check_settings(self.lora_rank, self.lora_alpha, self.target_modules, self.exclude_modules,
+                           self.lora_adapter_path)
+        except ConfigError as e:
+            raise ConfigValueError(str(e)) from None
 
 
 @gin.configurable("data")

@@ -37,6 +37,7 @@ from jaxrl_llm.trainer.config import RunConfig
 from jaxrl_llm.trainer.data_setup import build_datasets, load_tokenizer
 from jaxrl_llm.trainer.dynamic_sampling import GroupFilter, ScoredDraw, draw_seed, extra_info_fields
 from jaxrl_llm.trainer.loggers import MetricsLogger
+from jaxrl_llm.trainer.model_load import lora_meta, lora_spec
 from jaxrl_llm.trainer.roles import make_worker
 from jaxrl_llm.trainer.step_rewards import StepScorer
 from jaxrl_llm.trainer.validation import ValidationResults
@@ -129,7 +130,7 @@ class RLTrainer:
         return {"step": self.global_step, "data": self.iterator.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
                 "seed": self.run.data.seed, "model": self.model_cfg_hf, "gin": self.operative_config,
-                "jaxrl_llm": jaxrl_llm.__version__}
+                "lora": lora_meta(self.run, lora_spec(self.run)), "jaxrl_llm": jaxrl_llm.__version__}
 
     def _resume(self) -> None:
         """Continues from a checkpoint (`train.resume_mode`): states, step, data order, KL controller."""

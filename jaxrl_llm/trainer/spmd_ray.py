@@ -3,7 +3,7 @@
 The driver reserves one placement-group bundle per process (its GPUs, or one CPU with
 `train.devices_per_process` simulated CPU devices), spread over the nodes of the cluster, starts a
 `TrainProcess` actor in each, and hands every actor the address of process 0's coordinator. Each actor
-then does what a plainly launched process does (`jaxrl_llm.train.run_process`): joins the others with
+then does what a plainly launched process does (`jaxrl_llm.trainer.process.run_process`): joins the others with
 `jax.distributed`, and runs the whole RL loop as one process of the SPMD program.
 
 The driver only waits. When a process fails or dies, it stops the others and raises one error; the
@@ -42,7 +42,7 @@ class TrainProcess:
         return os.getpid()
 
     def fit(self, run: RunConfig, operative_config: str, spec: ProcessSpec, log_level: str = "INFO") -> dict:
-        from jaxrl_llm.train import run_process, setup_logging
+        from jaxrl_llm.trainer.process import run_process, setup_logging
 
         setup_logging(log_level, spec.process_id)
         return run_process(run, operative_config, spec)

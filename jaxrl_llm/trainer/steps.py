@@ -27,6 +27,7 @@ from jaxrl_llm.algorithms import (
     get_policy_loss_fn,
     token_metric_mean,
 )
+from jaxrl_llm.models.lora import combine
 from jaxrl_llm.models.moe import load_balancing_loss
 
 
@@ -176,17 +177,19 @@ def _accumulate(acc, new):
 
 
 def make_grad_step(loss_fn, graphdef, param_shardings, **loss_kwargs):
-    """Jitted (params, grads_acc, metrics_acc, mb, norm) -> (grads_acc, metrics_acc).
+    """Jitted (params, frozen, grads_acc, metrics_acc, mb, norm) -> (grads_acc, metrics_acc).
 
-    The accumulators are donated, so accumulation happens in place.
+    Gradients are taken for `params` (the trained leaves) only; `frozen` (the LoRA base, or {} in full
+    fine-tuning) joins them in the model. The accumulators are donated, so accumulation happens in place.
     """
 
-    def step(params, grads_acc, metrics_acc, mb, norm):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, graphdef, mb, norm, **loss_kwargs)
+    def step(params, frozen, grads_acc, metrics_acc, mb, norm):
+        loss = lambda p: loss_fn(combine(frozen, p), graphdef, mb, norm, **loss_kwargs)
+        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
         return grads_acc, _accumulate(metrics_acc, metrics)
 
-    return jax.jit(step, donate_argnums=(1, 2), out_shardings=(param_shardings, None))
+    return jax.jit(step, donate_argnums=(2, 3), out_shardings=(param_shardings, None))
 
 
 def make_metrics_init(loss_fn, graphdef, **loss_kwargs):

@@ -16,20 +16,19 @@ import numpy as np
 
 from jaxrl_llm import distributed, sharding
 from jaxrl_llm.algorithms import (
-    AdvantageConfig,
     LossNorm,
-    PolicyLossConfig,
-    RolloutCorrectionConfig,
-    apply_kl_penalty,
-    compute_rollout_correction_and_rejection_mask,
     get_adv_estimator,
     select_cov_tokens,
 )
-from jaxrl_llm.models import Qwen2Config, graphdef_and_abstract_params, init_params, load_params, param_shardings
-from jaxrl_llm.models.config import PRESETS
-from jaxrl_llm.models.hf_io import is_critic_checkpoint
+from jaxrl_llm.models import Qwen2Config
 from jaxrl_llm.rollout import RolloutBatch, SamplingParams, make_jax_engine
 from jaxrl_llm.trainer import steps
+from jaxrl_llm.trainer.algo_setup import (
+    adv_inputs,
+    make_adv_fn,
+    policy_loss_config,
+    rollout_correction_config,
+)
 from jaxrl_llm.trainer.batch import (
     PackShape,
     TrainBatch,
@@ -38,74 +37,20 @@ from jaxrl_llm.trainer.batch import (
     split_mini_batches,
     tail_shape,
 )
-from jaxrl_llm.trainer.config import RunConfig, rollout_correction_enabled
+from jaxrl_llm.trainer.config import RunConfig
+from jaxrl_llm.trainer.model_load import (
+    load_actor_params,
+    load_adapters,
+    load_critic_params,
+    lora_spec,
+    model_config,
+)
+from jaxrl_llm.trainer.model_state import ModelState
 from jaxrl_llm.trainer.optim import make_optimizer
 
 log = logging.getLogger(__name__)
 
 HOST_ONLY = ("seq_ids",)
-
-
-def resolve_model_path(path: str) -> str:
-    """A local directory as is; otherwise a hub id, fetched with huggingface_hub (needs network)."""
-    if os.path.isdir(path):
-        return path
-    if os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} is a file; pass a HF model directory")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja"])
-    except Exception as e:  # offline, unknown repo, no hub client
-        raise FileNotFoundError(f"model path {path!r} is not a local directory, and fetching it as a hub id "
-                                f"failed ({type(e).__name__}: {e}); pass a local HF model directory") from None
-
-
-def model_config(run: RunConfig) -> Qwen2Config:
-    m = run.model
-    remat = "full" if m.remat == "auto" else m.remat  # "auto" is resolved once the mesh is known
-    numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=remat, attention_impl=m.attention_impl,
-                    **(m.overrides or {}))
-    if m.preset is not None:
-        if m.preset not in PRESETS:
-            raise ValueError(f"model.preset: unknown preset {m.preset!r}; known: {sorted(PRESETS)}")
-        return PRESETS[m.preset](**numerics)
-    return Qwen2Config.from_hf(resolve_model_path(m.path), **numerics)
-
-
-def opt_state_shardings(tx, params, param_sh, mesh):
-    """Shardings for `tx.init(params)`: a leaf that mirrors a param (Adam's mu and nu) takes that
-    param's sharding, found by the key path the two share; anything else (counts) is replicated.
-    Without this, jit places the state's zeros on one device."""
-    by_path = {jax.tree_util.keystr(p): (x.shape, sh) for (p, x), sh in
-               zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_sh))}
-    rep = sharding.replicated(mesh)
-
-    def pick(path, leaf):
-        key = jax.tree_util.keystr(path)
-        for suffix, (shape, sh) in by_path.items():
-            if key.endswith(suffix) and leaf.shape == shape:
-                return sh
-        return rep
-
-    return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, params))
-
-
-def policy_loss_config(run: RunConfig, rc: RolloutCorrectionConfig | None) -> PolicyLossConfig:
-    """The actor's policy loss from `actor.*` and `actor.policy_loss.*`; bypass mode swaps in veRL's
-    `bypass_mode` loss, which reads the rollout-correction settings."""
-    a, p = run.actor, run.policy_loss
-    return PolicyLossConfig(
-        loss_mode="bypass_mode" if rc is not None and rc.bypass_mode else p.loss_mode,
-        clip_ratio_low=a.low, clip_ratio_high=a.high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
-        clip_cov_ratio=p.clip_cov_ratio, clip_cov_lb=p.clip_cov_lb, clip_cov_ub=p.clip_cov_ub,
-        kl_cov_ratio=p.kl_cov_ratio, ppo_kl_coef=p.ppo_kl_coef, dro_beta=p.dro_beta, tau_pos=a.tau_pos,
-        tau_neg=a.tau_neg, rollout_correction=rc)
-
-
-def rollout_correction_config(run: RunConfig) -> RolloutCorrectionConfig | None:
-    """`algorithm.rollout_correction.*`, or None when it is off."""
-    return run.rollout_correction if rollout_correction_enabled(run.rollout_correction) else None
 
 
 class TrainerWorker:
@@ -119,9 +64,8 @@ class TrainerWorker:
         self.cfg = model_cfg or model_config(run)
         if model_cfg is None and run.model.remat == "auto":
             self.cfg = self.cfg.replace(remat=self._auto_remat())
-        self.actor_gd, _ = graphdef_and_abstract_params(self.cfg)
-        self.actor_sh = param_shardings(self.cfg, self.mesh)
-        params = self._load_actor_params()
+        self.lora = lora_spec(run)
+        params = load_actor_params(run, self.cfg, self.mesh, self.lora)
 
         n_mini = run.data.train_batch_size // run.actor.ppo_mini_batch_size
         self.tx, self.lr_at = make_optimizer(
@@ -129,30 +73,50 @@ class TrainerWorker:
             warmup_steps=run.actor.lr_warmup_steps, warmup_ratio=run.actor.lr_warmup_steps_ratio,
             scheduler=run.actor.lr_scheduler, min_lr_ratio=run.actor.min_lr_ratio,
             weight_decay=run.actor.weight_decay, betas=run.actor.betas, grad_clip=run.actor.grad_clip)
-        self.actor_state = self._init_state(params, self.tx, self.actor_sh)
-        self.actor_state_sh = jax.tree.map(lambda x: x.sharding, self.actor_state)
+        self.actor = ModelState(self.cfg, self.mesh, params, self.tx, lora=self.lora, seed=run.model.seed,
+                                adapters=load_adapters(run, self.cfg, self.lora, self.mesh))
+        self.actor_gd, self.actor_sh = self.actor.graphdef, self.actor.param_sh
+        del params  # under LoRA the base now lives (in the compute dtype) in self.actor.frozen
 
         self.needs_ref = run.actor.use_kl_loss or run.algo.use_kl_in_reward
-        self.ref_params = self._make_ref(params) if self.needs_ref else None
+        # LoRA: the reference is the frozen base run without the adapters; no second copy of the weights.
+        self.ref_params = None
+        if self.needs_ref:
+            self.ref_params = self.actor.frozen if self.lora is not None else self._make_ref(self.actor.params())
 
-        self.critic_state = None
+        self.critic = None
         if run.algo.uses_critic:
-            self.critic_gd, _ = graphdef_and_abstract_params(self.cfg, critic=True)
-            self.critic_sh = param_shardings(self.cfg, self.mesh, critic=True)
             c = run.critic
             self.critic_tx, self.critic_lr_at = make_optimizer(
                 c.lr, total_steps=total_steps, updates_per_step=n_mini * (c.ppo_epochs or run.actor.ppo_epochs),
                 warmup_steps=c.lr_warmup_steps, scheduler=c.lr_scheduler, weight_decay=c.weight_decay,
                 grad_clip=c.grad_clip)
-            self.critic_state = self._init_state(self._load_critic_params(), self.critic_tx, self.critic_sh)
-            self.critic_state_sh = jax.tree.map(lambda x: x.sharding, self.critic_state)
+            self.critic = ModelState(self.cfg, self.mesh, load_critic_params(run, self.cfg, self.mesh, self.lora),
+                                     self.critic_tx, lora=self.lora, critic=True, seed=run.model.seed + 1)
+            self.critic_gd, self.critic_sh = self.critic.graphdef, self.critic.param_sh
 
         self._build_steps()
-        self._cast_for_pool = None
         self.engine = None
         if run.rollout.engine == "jax":
-            self.engine = make_jax_engine(self.cfg, self.actor_state["params"], self.mesh, rollout=run.rollout,
+            self.engine = make_jax_engine(self.cfg, self.actor.merged(), self.mesh, rollout=run.rollout,
                                           max_prompt_length=run.data.max_prompt_length)
+
+    # The train states ({"params", "opt_state", "step", "skipped"}: what checkpoints hold), by role.
+    @property
+    def actor_state(self) -> dict:
+        return self.actor.state
+
+    @actor_state.setter
+    def actor_state(self, state: dict) -> None:
+        self.actor.state = state
+
+    @property
+    def critic_state(self) -> dict | None:
+        return None if self.critic is None else self.critic.state
+
+    @critic_state.setter
+    def critic_state(self, state: dict) -> None:
+        self.critic.state = state
 
     # ---- construction ----------------------------------------------------------------------------
     def _auto_remat(self) -> str:
@@ -167,43 +131,17 @@ class TrainerWorker:
                             engine=run.rollout.engine == "jax" and not run.rollout.free_cache_engine,
                             device_bytes=device_memory_bytes())
 
-    def _load_actor_params(self):
-        m = self.run.model
-        if m.preset is not None:
-            return init_params(self.cfg, mesh=self.mesh, seed=m.seed)
-        return load_params(resolve_model_path(m.path), self.cfg, mesh=self.mesh)
-
-    def _load_critic_params(self):
-        m = self.run.model
-        if m.preset is not None:
-            return init_params(self.cfg, mesh=self.mesh, seed=m.seed + 1, critic=True)
-        path = resolve_model_path(m.critic_path or m.path)
-        if is_critic_checkpoint(path):  # the family's *ForTokenClassification
-            return load_params(path, self.cfg, mesh=self.mesh, critic=True)
-        # veRL initialises the critic from the actor checkpoint with a fresh value head.
-        lm = load_params(path, self.cfg, mesh=self.mesh)
-        head_cfg = self.cfg.replace(num_hidden_layers=1, vocab_size=8, mlp_only_layers=(), decoder_sparse_step=1)
-        head = init_params(head_cfg, seed=m.seed + 1, critic=True)
-        score = jax.tree.map(lambda x, sh: distributed.put(distributed.fetch(x), sh), head["score"],
-                             self.critic_sh["score"])
-        return {"model": lm["model"], "score": score}
-
-    def _init_state(self, params, tx, param_sh):
-        opt_state = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, param_sh, self.mesh))(params)
-        scalar = lambda: distributed.put(np.zeros((), np.int32), sharding.replicated(self.mesh))
-        return {"params": params, "opt_state": opt_state, "step": scalar(), "skipped": scalar()}
-
     def _make_ref(self, params):
         """The frozen reference policy in the compute dtype; on the host when `ref_offload` (each
         process keeps its own devices' shards)."""
         dt = jnp.dtype(self.cfg.dtype)
-        ref = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt), p), out_shardings=self.actor_sh)(params)
+        ref = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt), p), out_shardings=self.actor.base_sh)(params)
         if self.run.trainer.ref_offload:
             ref = jax.tree.map(distributed.to_host_shards, ref)
         return ref
 
     def _ref_on_device(self):
-        if not self.run.trainer.ref_offload:
+        if not self.run.trainer.ref_offload or self.lora is not None:  # LoRA: the base itself, no copy
             return self.ref_params
         return jax.tree.map(distributed.from_host_shards, self.ref_params)
 
@@ -222,7 +160,10 @@ class TrainerWorker:
         self.with_sum_pi_squared = "sum_pi_squared" in self.estimator.inputs
         self.logprob_fn = steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk, with_entropy=True,
                                                 with_sum_pi_squared=self.with_sum_pi_squared)
-        self.ref_logprob_fn = steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk)
+        # Log-probs alone: the reference's program (the base model under LoRA) and the current policy's.
+        self.ref_logprob_fn = steps.make_logprob_fn(self.actor.base_graphdef, temperature=temp, chunk_size=chunk)
+        self.plain_logprob_fn = (self.ref_logprob_fn if self.lora is None else
+                                 steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk))
         # A step that is one mini-batch and one epoch is exactly on-policy (veRL's shortcut): the ratio is
         # 1 by construction and the old-log-prob pass is skipped, unless something else reads the old
         # log-probs (the KL in the reward, decoupled rollout correction, the optimal token baseline).
@@ -241,15 +182,15 @@ class TrainerWorker:
                            if self.policy_loss.loss_mode in ("clip_cov", "kl_cov") else None)
         self.actor_grad = steps.make_grad_step(steps.actor_loss, self.actor_gd, self.actor_sh, s=self.loss_settings)
         self.actor_metrics0 = steps.make_metrics_init(steps.actor_loss, self.actor_gd, s=self.loss_settings)
-        self.actor_apply = steps.make_apply_step(self.tx, self.actor_state_sh)
+        self.actor_apply = steps.make_apply_step(self.tx, self.actor.state_sh)
         self.actor_zeros = steps.make_zeros(self.actor_sh)
-        self.adv_fn = self._make_adv_fn()
+        self.adv_fn = make_adv_fn(run, self.estimator, self.rc)
         if self.critic_state is not None:
             kw = dict(cliprange_value=run.critic.cliprange_value, loss_agg_mode=run.critic.loss_agg_mode)
             self.value_fn = steps.make_value_fn(self.critic_gd)
             self.critic_grad = steps.make_grad_step(steps.critic_loss, self.critic_gd, self.critic_sh, **kw)
             self.critic_metrics0 = steps.make_metrics_init(steps.critic_loss, self.critic_gd, **kw)
-            self.critic_apply = steps.make_apply_step(self.critic_tx, self.critic_state_sh)
+            self.critic_apply = steps.make_apply_step(self.critic_tx, self.critic.state_sh)
             self.critic_zeros = steps.make_zeros(self.critic_sh)
 
     def _pack_shape(self, tokens_per_device: int) -> PackShape:
@@ -290,11 +231,11 @@ class TrainerWorker:
             names = {"log_prob": "old_log_prob", "entropy": "entropy"}
             if self.with_sum_pi_squared:
                 names["sum_pi_squared"] = "sum_pi_squared"
-            passes.append((self.logprob_fn, self.actor_state["params"], names))
+            passes.append((self.logprob_fn, self.actor.params(), names))
         if ref:
             passes.append((self.ref_logprob_fn, self._ref_on_device(), {"log_prob": "ref_log_prob"}))
         if values:
-            passes.append((self.value_fn, self.critic_state["params"], {"values": "values"}))
+            passes.append((self.value_fn, self.critic.params(), {"values": "values"}))
         pending = []
         with jax.set_mesh(self.mesh):
             # Dispatch every micro-batch before fetching any result, so the host packs the next
@@ -344,78 +285,21 @@ class TrainerWorker:
     def compute_values(self, batch: TrainBatch) -> np.ndarray:
         return self._forward(batch, values=True)["values"]
 
-    def _make_adv_fn(self):
-        """One jitted function from the scored batch to what the update needs: rollout correction
-        (decoupled mode: importance weights and rejection of the whole batch, from the old and the
-        sampler's log-probs), token-level rewards (with the in-reward KL penalty when configured), then
-        the configured advantage estimator, called with the batch fields it declares."""
-        algo = self.run.algo
-        est, rc = self.estimator, self.rc
-        config = AdvantageConfig(gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-                                 gdpo_reward_keys=algo.gdpo_reward_keys, gdpo_reward_weights=algo.gdpo_reward_weights)
-
-        def fn(scores, mask, f, kl_coef):
-            metrics, out = {}, {}
-            if rc is not None and not rc.bypass_mode:
-                weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
-                    f["old_log_prob"], f["rollout_log_probs"], mask, rc)
-                out["loss_mask"] = mask
-                if weights is not None:
-                    out["rollout_is_weights"] = weights
-            rewards = scores
-            if algo.use_kl_in_reward:
-                rewards, kl_metrics = apply_kl_penalty(scores, f["old_log_prob"], f["ref_log_prob"], mask, kl_coef,
-                                                       algo.kl_penalty)
-                metrics = {**metrics, **kl_metrics}
-            inputs = {**f, **out, "old_log_probs": f.get("old_log_prob")}
-            adv, ret = est.fn(rewards, mask, config=config, **{k: inputs.get(k) for k in est.inputs})
-            return {**out, "token_level_rewards": rewards, "advantages": adv, "returns": ret}, metrics
-
-        return jax.jit(fn)
-
-    def _adv_inputs(self, batch: TrainBatch) -> dict:
-        """The batch fields the advantage function reads, by the estimator's input names."""
-        f, need = batch.fields, set(self.estimator.inputs)
-        out = {"index": batch.group_ids}
-        # Only the [R, Tr] fields `adv_fn` reads go to the device: the rollout correction's and the in-reward
-        # KL's log-probs, and the estimator's own inputs.
-        decoupled_rc, kl_in_reward = self.rc is not None and not self.bypass, self.run.algo.use_kl_in_reward
-        wanted = {"values", "sum_pi_squared", "reward_baselines"} & need
-        if "old_log_probs" in need or kl_in_reward or decoupled_rc:
-            wanted.add("old_log_prob")
-        if kl_in_reward:
-            wanted.add("ref_log_prob")
-        if decoupled_rc:
-            wanted.add("rollout_log_probs")
-        for name in sorted(wanted):
-            if name in f:
-                out[name] = f[name]
-        if "reward_components" in need:
-            keys = self.run.algo.gdpo_reward_keys or ()
-            out["reward_components"] = {k: f[f"score/{k}"] for k in keys}
-        missing = sorted(k for k in need - {"old_log_probs", "rollout_is_weights"} if k not in out)
-        if "old_log_probs" in need and "old_log_prob" not in out:
-            missing.append("old_log_prob")
-        if missing:
-            raise ValueError(f"algorithm.adv_estimator={self.run.algo.adv_estimator!r} needs the batch fields "
-                             f"{missing}, which this step did not produce")
-        return out
-
     def compute_advantages(self, batch: TrainBatch, kl_coef: float = 0.0) -> dict:
         """Token-level rewards, advantages and returns [R, Tr] (veRL semantics), on device; with rollout
         correction on (decoupled mode), also the importance weights and the loss mask of the update."""
         if self.bypass:  # veRL's bypass mode: the sampler's log-probs are the old ones
             batch.fields["old_log_prob"] = batch.fields["rollout_log_probs"]
         fields, metrics = self.adv_fn(batch.fields["token_level_scores"], batch.response_mask,
-                                      self._adv_inputs(batch), np.float32(kl_coef))
+                                      adv_inputs(self.run, self.estimator, self.rc, batch), np.float32(kl_coef))
         fields, metrics = distributed.fetch_tree((fields, metrics))
         fields = {k: np.asarray(v) for k, v in fields.items()}
         if self.bypass:
             fields["old_log_prob"] = batch.fields["old_log_prob"]
         return {"fields": fields, "metrics": {k: float(v) for k, v in metrics.items()}}
 
-    def _update(self, batch: TrainBatch, *, state, grad_fn, metrics0, zeros, apply_fn, fields, epochs, lr, prefix,
-                prepare=None):
+    def _update(self, batch: TrainBatch, *, role: ModelState, grad_fn, metrics0, zeros, apply_fn, fields, epochs,
+                lr, prefix, prepare=None):
         """Epochs x mini-batches of optimizer steps, each the sum of its micro-batches' gradients.
 
         `prepare(sub, params, index)`, when given, adds fields that depend on the whole mini-batch and the
@@ -424,12 +308,13 @@ class TrainerWorker:
         run = self.run
         mini = run.actor.ppo_mini_batch_size * run.rollout.n
         history = []
+        state = role.state
         with jax.set_mesh(self.mesh):
             for epoch in range(epochs):
                 for i, idx in enumerate(split_mini_batches(len(batch), mini)):
                     sub = batch.select(idx)
                     if prepare is not None:
-                        prepare(sub, state["params"], epoch * len(batch) + i)
+                        prepare(sub, role.params(state["params"]), epoch * len(batch) + i)
                     mask = sub.fields.get("loss_mask", sub.response_mask)
                     norm = LossNorm(num_tokens=jnp.float32(max(mask.sum(), 1.0)),
                                     num_seqs=jnp.float32(max((mask.sum(-1) > 0).sum(), 1)),
@@ -438,8 +323,8 @@ class TrainerWorker:
                     for _, mb in self._micro_batches(sub, fields, self.pack):
                         if grads is None:
                             grads = zeros(state["params"])
-                            metrics = metrics0(state["params"], mb, norm)
-                        grads, metrics = grad_fn(state["params"], grads, metrics, mb, norm)
+                            metrics = metrics0(role.params(state["params"]), mb, norm)
+                        grads, metrics = grad_fn(state["params"], role.frozen, grads, metrics, mb, norm)
                     state, applied = apply_fn(state, grads)
                     history.append((metrics, applied))  # fetched after the last update: no sync here
         history = [{**m, f"{prefix}/grad_norm": a["grad_norm"], f"{prefix}/skipped_steps": a["skipped"],
@@ -466,7 +351,7 @@ class TrainerWorker:
             fields.append("token_select")
             prepare = functools.partial(self._select_cov_tokens, step=step)
         self.actor_state, metrics = self._update(
-            batch, state=self.actor_state, grad_fn=self.actor_grad, metrics0=self.actor_metrics0,
+            batch, role=self.actor, grad_fn=self.actor_grad, metrics0=self.actor_metrics0,
             zeros=self.actor_zeros, apply_fn=self.actor_apply, fields=fields, epochs=self.run.actor.ppo_epochs,
             lr=float(self.lr_at(step)), prefix="actor", prepare=prepare)
         if self.run.actor.use_kl_loss:
@@ -479,8 +364,8 @@ class TrainerWorker:
         logp = np.zeros(sub.responses.shape, np.float32)
         for seq_ids, mb in self._micro_batches(sub, (), self.fwd_pack):
             used = seq_ids >= 0
-            # The reference pass's program: log-probs alone (no entropy or Σπ²), here with the current params.
-            logp[seq_ids[used]] = distributed.fetch(self.ref_logprob_fn(params, mb)["log_prob"])[used]
+            # Log-probs alone (no entropy or Σπ²), with the current params.
+            logp[seq_ids[used]] = distributed.fetch(self.plain_logprob_fn(params, mb)["log_prob"])[used]
         mask = sub.fields.get("loss_mask", sub.response_mask)
         old = logp if self.on_policy else sub.fields["old_log_prob"]
         key = jax.random.fold_in(jax.random.key(self.run.data.seed), step * 100003 + index)
@@ -496,7 +381,7 @@ class TrainerWorker:
     def update_critic(self, batch: TrainBatch, step: int) -> dict[str, float]:
         self._release_engine_weights()
         self.critic_state, metrics = self._update(
-            batch, state=self.critic_state, grad_fn=self.critic_grad, metrics0=self.critic_metrics0,
+            batch, role=self.critic, grad_fn=self.critic_grad, metrics0=self.critic_metrics0,
             zeros=self.critic_zeros, apply_fn=self.critic_apply, fields=["values", "returns"],
             epochs=self.run.critic.ppo_epochs or self.run.actor.ppo_epochs, lr=float(self.critic_lr_at(step)),
             prefix="critic")
@@ -505,20 +390,17 @@ class TrainerWorker:
     def sync_rollout_weights(self, step: int) -> None:
         """Moves the new actor weights into the JAX engine, in device memory."""
         if self.engine is not None:
-            self.engine.update_weights(self.actor_state["params"], step=step)
+            self.engine.update_weights(self.actor.merged(), step=step)
             jax.block_until_ready(self.engine.params)
 
     def save_weights(self, directory: str, step: int) -> str:
         """Writes the actor params as a weights-only Orbax checkpoint (for a vLLM pool), in the compute
         dtype the pool runs in (bf16 by default: half the bytes of the fp32 master weights to write and to
-        read back), cast on the devices in the params' own sharding."""
+        read back), cast on the devices in the params' own sharding. LoRA: the base with the adapters
+        merged in (a full sync each step; vLLM LoRA requests are not used yet)."""
         from jaxrl_llm.weights_io import save_weights
 
-        if self._cast_for_pool is None:
-            dt = jnp.dtype(self.cfg.dtype)
-            self._cast_for_pool = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt), p),
-                                          out_shardings=self.actor_sh)
-        return save_weights(directory, step, self._cast_for_pool(self.actor_state["params"]), self.cfg)
+        return save_weights(directory, step, self.actor.merged(self.cfg.dtype), self.cfg)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def set_aside_checkpoints(self) -> list[str]:

@@ -1,0 +1,202 @@
+"""LoRA adapters on the decoder's linear layers: targets, params, shardings, and merging into the base.
+
+The adapter of a linear layer with kernel W [in, out] is lora_a [in, r] and lora_b [r, out]; the layer
+computes x @ W + (x @ lora_a) @ lora_b * alpha / r (PEFT's LoRA without dropout, `qwen2.Linear`). The
+adapters live in the model's params tree beside the kernels they adapt, stacked over layers like them
+(`model.layers.self_attn.q_proj.lora_a` [L, in, r]), so `nnx.merge` with a LoRA config runs them.
+Everything here is pure; the trainer decides which leaves train (`trainer/model_state.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from jaxrl_llm import sharding
+from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.errors import ConfigError
+from jaxrl_llm.models.hf_table import _MLP, LAYER_TABLES
+
+# The linear layers an adapter can sit on, with their parent module. PEFT's 'all-linear' is all of them
+# (it leaves out the output layer, lm_head).
+LORA_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+LORA_LEAVES = ("lora_a", "lora_b")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """Rank, alpha and the (resolved, ordered) target module names of a run's adapters."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def apply(self, cfg: DecoderConfig) -> DecoderConfig:
+        """The model config whose graph holds these adapters."""
+        if cfg.is_moe:
+            raise ConfigError("model.lora_rank: LoRA on a mixture-of-experts model (Qwen3-MoE) is not supported "
+                              "yet (the routed experts have no adapters); set model.lora_rank = 0")
+        return cfg.replace(lora_rank=self.rank, lora_alpha=float(self.alpha), lora_targets=self.targets)
+
+
+def resolve_targets(target_modules, exclude_modules=()) -> tuple[str, ...]:
+    """`model.target_modules` ('all-linear' or module names) less `model.exclude_modules`, in table order."""
+    known = sorted(LORA_MODULES)
+    if isinstance(target_modules, str):
+        if target_modules != "all-linear":
+            raise ConfigError(f"model.target_modules: {target_modules!r}; use 'all-linear' or a list of module names "
+                              f"from {known}")
+        wanted = set(LORA_MODULES)
+    else:
+        wanted = set(target_modules)
+    for key, names in (("model.target_modules", wanted), ("model.exclude_modules", set(exclude_modules or ()))):
+        unknown = sorted(str(n) for n in names if n not in LORA_MODULES)
+        if unknown:
+            raise ConfigError(f"{key}: unknown module name(s) {unknown}; LoRA can target {known} (or 'all-linear' "
+                              "in model.target_modules); the stacked layers take one setting for every layer")
+    targets = tuple(n for n in LORA_MODULES if n in wanted and n not in set(exclude_modules or ()))
+    if not targets:
+        raise ConfigError(f"model.target_modules={target_modules!r} less model.exclude_modules={exclude_modules!r} "
+                          "leaves no module to adapt; target at least one")
+    return targets
+
+
+def check_settings(rank, alpha, target_modules, exclude_modules, adapter_path) -> None:
+    """`model.lora_*` as a run sets them; one ConfigError naming the key and the fix."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ConfigError(f"model.lora_rank: {rank!r}; use 0 (full fine-tuning) or a positive rank such as 32")
+    if adapter_path is not None:
+        if not rank:
+            raise ConfigError("model.lora_adapter_path: an adapter needs LoRA on; set model.lora_rank to the "
+                              "adapter's rank (its adapter_config.json's 'r')")
+        if not os.path.isfile(os.path.join(adapter_path, "adapter_config.json")):
+            raise ConfigError(f"model.lora_adapter_path: {adapter_path!r} is not a PEFT adapter directory (no "
+                              "adapter_config.json); give what PeftModel.save_pretrained or `python -m "
+                              "jaxrl_llm.export` writes")
+    if rank:
+        if not alpha > 0:
+            raise ConfigError(f"model.lora_alpha: {alpha}; need > 0 (the adapters' scale is lora_alpha / lora_rank)")
+        resolve_targets(target_modules, exclude_modules)
+
+
+def module_path(name: str) -> tuple[str, ...]:
+    """Where a target module's params sit in the params tree."""
+    return ("model", "layers", LORA_MODULES[name], name)
+
+
+def _kernel_axes(cfg: DecoderConfig, name: str) -> tuple:
+    path = module_path(name) + ("kernel",)
+    return next(row.axes for row in LAYER_TABLES[cfg.model_type] + _MLP if row.path == path)
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree, path, value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def adapter_shapes(cfg: DecoderConfig, spec: LoraSpec) -> dict:
+    """The adapters' tree of ShapeDtypeStructs (param_dtype), as the LoRA model's params hold them."""
+    from jaxrl_llm.models.hf_table import _LAYER_SHAPES
+
+    out: dict = {}
+    dt = jnp.dtype(cfg.param_dtype)
+    layers = cfg.num_hidden_layers
+    for name in spec.targets:
+        din, dout = _LAYER_SHAPES[(name, "kernel")](cfg)
+        _set(out, module_path(name) + ("lora_a",), jax.ShapeDtypeStruct((layers, din, spec.rank), dt))
+        _set(out, module_path(name) + ("lora_b",), jax.ShapeDtypeStruct((layers, spec.rank, dout), dt))
+    return out
+
+
+def adapter_shardings(cfg: DecoderConfig, spec: LoraSpec, mesh: Mesh | None) -> dict:
+    """lora_a takes its kernel's input-axis sharding, lora_b its output-axis one; the rank is replicated."""
+    out: dict = {}
+    for name in spec.targets:
+        layers_ax, in_ax, out_ax = _kernel_axes(cfg, name)
+        for leaf, axes in (("lora_a", (layers_ax, in_ax, None)), ("lora_b", (layers_ax, None, out_ax))):
+            shape = _get(adapter_shapes(cfg, spec), module_path(name) + (leaf,)).shape
+            sh = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
+                  else sharding.named_sharding(mesh, axes, shape))
+            _set(out, module_path(name) + (leaf,), sh)
+    return out
+
+
+def init_adapters(cfg: DecoderConfig, spec: LoraSpec, *, mesh: Mesh | None = None, seed: int = 0) -> dict:
+    """Fresh adapters in their sharded layout: lora_a uniform in ±1/sqrt(in) (PEFT's default), lora_b zero."""
+    shapes = adapter_shapes(cfg, spec)
+
+    def make(key):
+        out: dict = {}
+        for i, name in enumerate(spec.targets):
+            a = _get(shapes, module_path(name) + ("lora_a",))
+            b = _get(shapes, module_path(name) + ("lora_b",))
+            bound = a.shape[1] ** -0.5
+            _set(out, module_path(name) + ("lora_a",),
+                 jax.random.uniform(jax.random.fold_in(key, i), a.shape, a.dtype, -bound, bound))
+            _set(out, module_path(name) + ("lora_b",), jnp.zeros(b.shape, b.dtype))
+        return out
+
+    return jax.jit(make, out_shardings=adapter_shardings(cfg, spec, mesh))(jax.random.key(seed))
+
+
+def is_adapter(path: tuple[str, ...]) -> bool:
+    """A params path that ends in an adapter leaf."""
+    return path[-1] in LORA_LEAVES
+
+
+def combine(*trees: dict) -> dict:
+    """The union of nested dicts with disjoint leaves (the frozen base and the trained leaves); no copy."""
+    out: dict = {}
+    for tree in trees:
+        for k, v in tree.items():
+            out[k] = combine(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def partition(tree: dict, pred) -> tuple[dict, dict]:
+    """(leaves where `pred(path)`, the rest) as two nested dicts of the same layout; no copy."""
+    yes, no = {}, {}
+
+    def walk(node, path):
+        for k, v in node.items():
+            p = path + (k,)
+            if isinstance(v, dict):
+                walk(v, p)
+            else:
+                _set(yes if pred(p) else no, p, v)
+
+    walk(tree, ())
+    return yes, no
+
+
+def merge_adapters(base: dict, adapters: dict, spec: LoraSpec, dtype) -> dict:
+    """The base tree with W + (lora_a @ lora_b) * scale for every target, in `dtype` (pure; call under jit).
+
+    Args:
+      base: the base model's params (kernels [L, in, out]).
+      adapters: lora_a [L, in, r] and lora_b [L, r, out] per target.
+    """
+    out = jax.tree.map(lambda x: x.astype(dtype), base)
+    for name in spec.targets:
+        path = module_path(name)
+        ad = _get(adapters, path)
+        delta = jnp.einsum("lir,lro->lio", ad["lora_a"].astype(jnp.float32), ad["lora_b"].astype(jnp.float32))
+        w = _get(base, path)["kernel"].astype(jnp.float32) + delta * spec.scale
+        _get(out, path)["kernel"] = w.astype(dtype)
+    return out

@@ -1,0 +1,114 @@
+"""PEFT adapter directories (adapter_config.json + adapter_model.safetensors) to and from our adapters.
+
+PEFT names an adapter of a causal LM `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
+[r, in] and `...lora_B.weight` [out, r]: torch's [out, in] layout, one tensor a layer. Ours are stacked
+over layers and transposed (lora_a [L, in, r], lora_b [L, r, out]).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from jaxrl_llm import distributed
+from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.errors import ConfigError
+from jaxrl_llm.models.lora import LORA_MODULES, LoraSpec, adapter_shapes, adapter_shardings, module_path
+from jaxrl_llm.models.safetensors_io import SafetensorsFile, save_file
+
+CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_LEAVES = {"lora_a": "lora_A", "lora_b": "lora_B"}
+
+
+def peft_key(name: str, layer: int, leaf: str) -> str:
+    return f"{_PREFIX}model.layers.{layer}.{LORA_MODULES[name]}.{name}.{_LEAVES[leaf]}.weight"
+
+
+def adapter_config(spec: LoraSpec, *, base_model: str | None) -> dict:
+    alpha = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec.rank,
+            "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": list(spec.targets), "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True, "modules_to_save": None,
+            "inference_mode": True}
+
+
+def save_peft(adapters: dict, spec: LoraSpec, out_dir: str | os.PathLike, *, base_model: str | None = None,
+              dtype: str | None = None) -> str:
+    """Writes `adapters` (our tree, on any devices) as a PEFT directory; `dtype` None keeps theirs."""
+    os.makedirs(out_dir, exist_ok=True)
+    host = jax.tree.map(lambda x: np.asarray(distributed.fetch(x)), adapters)
+
+    def tensors():
+        for name in spec.targets:
+            node = host
+            for k in module_path(name):
+                node = node[k]
+            for leaf in ("lora_a", "lora_b"):
+                stacked = node[leaf]  # [L, in, r] or [L, r, out]
+                if dtype is not None:
+                    stacked = stacked.astype(jax.numpy.dtype(dtype))
+                for i in range(stacked.shape[0]):
+                    yield peft_key(name, i, leaf), np.ascontiguousarray(stacked[i].T)
+
+    save_file(tensors(), os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, CONFIG_NAME), "w") as f:
+        json.dump(adapter_config(spec, base_model=base_model), f, indent=2)
+    return os.fspath(out_dir)
+
+
+def read_peft_config(path: str) -> dict:
+    where = os.path.join(path, CONFIG_NAME)
+    try:
+        with open(where) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"model.lora_adapter_path={path!r}: no {CONFIG_NAME}; give a PEFT adapter directory "
+                          "(what PeftModel.save_pretrained or `python -m jaxrl_llm.export` writes)") from None
+
+
+def load_peft(path: str, cfg: DecoderConfig, spec: LoraSpec, *, mesh=None) -> dict:
+    """Reads a PEFT adapter directory into our adapter tree (param_dtype, placed on `mesh`).
+
+    Its rank, alpha and targets must be the run's (`model.lora_rank`, `model.lora_alpha`,
+    `model.target_modules`): the adapter computes what it computed when it was trained.
+    """
+    conf = read_peft_config(path)
+    theirs = {"model.lora_rank": conf.get("r"), "model.lora_alpha": conf.get("lora_alpha")}
+    ours = {"model.lora_rank": spec.rank, "model.lora_alpha": spec.alpha}
+    for key in theirs:
+        if theirs[key] is None or float(theirs[key]) != float(ours[key]):
+            raise ConfigError(f"{key}={ours[key]} but the adapter in model.lora_adapter_path={path!r} has "
+                              f"{theirs[key]}; set {key} = {theirs[key]}")
+    targets = conf.get("target_modules")
+    targets = sorted(LORA_MODULES) if targets == "all-linear" else sorted(targets or ())
+    if targets != sorted(spec.targets):
+        raise ConfigError(f"model.target_modules resolves to {sorted(spec.targets)} but the adapter in "
+                          f"model.lora_adapter_path={path!r} targets {targets}; set model.target_modules to those")
+    if conf.get("use_rslora") or conf.get("use_dora"):
+        raise ConfigError(f"model.lora_adapter_path={path!r}: rsLoRA and DoRA adapters are not supported")
+    file = SafetensorsFile(os.path.join(path, WEIGHTS_NAME))
+    shapes, shardings = adapter_shapes(cfg, spec), adapter_shardings(cfg, spec, mesh)
+    out: dict = {}
+    for name in spec.targets:
+        node_s, node_sh, node_o = shapes, shardings, out
+        for k in module_path(name):
+            node_s, node_sh, node_o = node_s[k], node_sh[k], node_o.setdefault(k, {})
+        for leaf in ("lora_a", "lora_b"):
+            shape = node_s[leaf].shape
+            layers = []
+            for i in range(shape[0]):
+                key = peft_key(name, i, leaf)
+                if key not in file.names():
+                    raise ConfigError(f"model.lora_adapter_path={path!r}: {WEIGHTS_NAME} has no {key!r}; the adapter "
+                                      f"is for another model (this one has {cfg.num_hidden_layers} layers)")
+                t = file.get(key).T
+                if t.shape != shape[1:]:
+                    raise ConfigError(f"model.lora_adapter_path={path!r}: {key} has shape {t.shape[::-1]}, this "
+                                      f"model needs {shape[1:][::-1]}; the adapter is for another model")
+                layers.append(t.astype(node_s[leaf].dtype))
+            node_o[leaf] = distributed.put(np.stack(layers), node_sh[leaf])
+    return out

@@ -1,0 +1,114 @@
+"""A trained model's state (the actor's or the critic's): params, optimizer state, and which leaves train.
+
+Full fine-tuning trains every leaf, in the fp32 master copy (`model.param_dtype`). With LoRA
+(`model.lora_rank > 0`) only the adapters train, and a critic's value head, which starts fresh: the
+optimizer state exists for them alone. The rest is a frozen tree in the compute dtype, with no master
+copy; the actor's reference policy is that tree run without the adapters. Jitted steps take the trained
+and the frozen trees apart (gradients reach only the first); `params()` joins them without a copy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import distributed, sharding
+from jaxrl_llm.models import DecoderConfig, graphdef_and_abstract_params, param_shardings
+from jaxrl_llm.models.lora import (
+    LoraSpec,
+    adapter_shardings,
+    combine,
+    init_adapters,
+    is_adapter,
+    merge_adapters,
+    partition,
+)
+
+
+def opt_state_shardings(tx, params, param_sh, mesh):
+    """Shardings for `tx.init(params)`: a leaf that mirrors a param (Adam's mu and nu) takes that
+    param's sharding, found by the key path the two share; anything else (counts) is replicated.
+    Without this, jit places the state's zeros on one device."""
+    by_path = {jax.tree_util.keystr(p): (x.shape, sh) for (p, x), sh in
+               zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_sh))}
+    rep = sharding.replicated(mesh)
+
+    def pick(path, leaf):
+        key = jax.tree_util.keystr(path)
+        for suffix, (shape, sh) in by_path.items():
+            if key.endswith(suffix) and leaf.shape == shape:
+                return sh
+        return rep
+
+    return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, params))
+
+
+def init_train_state(params, tx, param_sh, mesh) -> dict:
+    """{"params", "opt_state", "step", "skipped"}: what a checkpoint holds of a trained model."""
+    opt_state = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, param_sh, mesh))(params)
+    scalar = lambda: distributed.put(np.zeros((), np.int32), sharding.replicated(mesh))
+    return {"params": params, "opt_state": opt_state, "step": scalar(), "skipped": scalar()}
+
+
+class ModelState:
+    """The actor's (or, with `critic`, the critic's) trained state on `mesh`.
+
+    Args:
+      cfg: the base model's config (no adapters).
+      params: the base params (with a critic's value head).
+      tx: the optimizer; it sees only the trained leaves.
+      lora: the adapters' spec, or None for full fine-tuning.
+      adapters: starting adapters (from `model.lora_adapter_path`); None: fresh ones from `seed`.
+    """
+
+    def __init__(self, cfg: DecoderConfig, mesh, params: dict, tx, *, lora: LoraSpec | None = None,
+                 adapters: dict | None = None, critic: bool = False, seed: int = 0):
+        self.cfg, self.mesh, self.tx, self.lora, self.critic = cfg, mesh, tx, lora, critic
+        self.base_graphdef, _ = graphdef_and_abstract_params(cfg, critic=critic)
+        self.base_sh = param_shardings(cfg, mesh, critic=critic)
+        if lora is None:
+            self.graphdef, self.frozen = self.base_graphdef, {}
+            trained, self.param_sh = params, self.base_sh
+        else:
+            self.graphdef, _ = graphdef_and_abstract_params(lora.apply(cfg), critic=critic)
+            head = lambda p: critic and p[0] == "score"  # a critic's value head is new: it trains in full
+            head_params, body = partition(params, head)
+            compute, master = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+            self.frozen = jax.tree.map(lambda x: x if x.dtype == compute else x.astype(compute), body)
+            if adapters is None:
+                adapters = init_adapters(cfg, lora, mesh=mesh, seed=seed)
+            head_params = jax.tree.map(lambda x: x.astype(master), head_params)
+            trained = combine(adapters, head_params)
+            self.param_sh = combine(adapter_shardings(cfg, lora, mesh), partition(self.base_sh, head)[0])
+        self.state = init_train_state(trained, tx, self.param_sh, mesh)
+        self.state_sh = jax.tree.map(lambda x: x.sharding, self.state)
+        self._merge = None
+
+    def params(self, trained: dict | None = None) -> dict:
+        """The whole params tree the model (`self.graphdef`) runs: the frozen leaves and the trained ones."""
+        return combine(self.frozen, self.state["params"] if trained is None else trained)
+
+    def adapters(self) -> dict:
+        """The trained adapter leaves (LoRA only)."""
+        return partition(self.state["params"], is_adapter)[0]
+
+    def merged(self, dtype: str | None = None) -> dict:
+        """The base model's params tree with the adapters merged in (W + A @ B * alpha / r), in `dtype`
+        (default: the compute dtype), in the base's shardings: what a rollout engine or an HF export runs.
+        Full fine-tuning: the params, cast when `dtype` is given."""
+        if self.lora is None and dtype is None:
+            return self.state["params"]
+        if self._merge is None or self._merge[0] != dtype:
+            dt = jnp.dtype(dtype or self.cfg.dtype)
+            if self.lora is None:
+                fn = lambda frozen, trained: jax.tree.map(lambda x: x.astype(dt), trained)
+            else:
+                spec = self.lora
+                fn = lambda frozen, trained: merge_adapters(
+                    combine(frozen, partition(trained, is_adapter)[1]), partition(trained, is_adapter)[0], spec, dt)
+            self._merge = (dtype, jax.jit(fn, out_shardings=self.base_sh))
+        return self._merge[1](self.frozen, self.state["params"])
+
+    def num_trained(self) -> int:
+        return sum(int(x.size) for x in jax.tree.leaves(self.state["params"]))

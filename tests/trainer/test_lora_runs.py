@@ -1,0 +1,98 @@
+"""LoRA runs of the tiny demo: only the adapters train (the base stays frozen in the compute dtype and is
+the reference), the engine decodes with them, a killed run resumes exactly, the export is a PEFT
+directory (or with --merge a full HF one) and `model.lora_adapter_path` starts a run from it."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_llm.export import load_checkpoint_params
+from jaxrl_llm.export import main as export_main
+from jaxrl_llm.models import graphdef_and_abstract_params, init_params, load_params
+from jaxrl_llm.models.lora import combine, is_adapter, partition
+from jaxrl_llm.trainer.loop import RLTrainer, build_train_batch
+from tests.trainer import runs
+
+LORA = ("model.lora_rank=4", "model.lora_alpha=8", "actor.lr=1e-2", "actor.lr_warmup_steps=0")
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def _paths(tree):
+    return [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def test_a_lora_step_moves_only_the_adapters_and_the_engine_decodes_with_them(tmp_path):
+    run = runs.run_config("train.driver='inprocess'", *LORA, "actor.use_kl_loss=True", run_dir=tmp_path / "run")
+    trainer = RLTrainer(run)
+    w = trainer.worker.obj
+    assert w.ref_params is w.actor.frozen  # the reference is the base without the adapters, not a copy
+
+    prompts = next(trainer.iterator)
+    rollout = w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0))
+    batch = build_train_batch(prompts, rollout, run.data.max_response_length)
+    # Step 0: lora_b is zero, so the policy is the base (and the sampler's log-probs are the trainer's).
+    old = w.compute_log_prob(batch)["old_log_prob"]
+    np.testing.assert_allclose(old, w.compute_ref_log_prob(batch), atol=1e-6)
+    np.testing.assert_allclose(old, batch.fields["rollout_log_probs"] * batch.response_mask, atol=1e-5)
+
+    frozen_before = _host(w.actor.frozen)
+    batch.fields["old_log_prob"] = old
+    batch.fields["ref_log_prob"] = w.compute_ref_log_prob(batch)
+    batch.fields["advantages"] = np.random.default_rng(0).normal(size=batch.response_mask.shape).astype(np.float32)
+    w.update_actor(batch, 0)
+    jax.tree.map(np.testing.assert_array_equal, _host(w.actor.frozen), frozen_before)
+    trained = _host(w.actor.state["params"])
+    assert all(np.any(b) for p, b in zip(_paths(trained), jax.tree.leaves(trained)) if p[-1] == "lora_b")
+
+    # The engine decodes with the adapters: after the sync its weights are the base with them merged in,
+    # and its log-probs of what it samples are the trainer's under the adapters.
+    w.sync_rollout_weights(1)
+    jax.tree.map(np.testing.assert_array_equal, _host(w.engine.params), _host(w.engine._convert(w.actor.merged())))
+    rollout = w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(1))
+    batch = build_train_batch(prompts, rollout, run.data.max_response_length)
+    now, base = w.compute_log_prob(batch)["old_log_prob"], w.compute_ref_log_prob(batch)
+    np.testing.assert_allclose(now, batch.fields["rollout_log_probs"] * batch.response_mask, atol=1e-5)
+    assert np.abs(now - base).max() > 1e-3
+
+
+def test_kill_resume_export_and_start_from_the_adapter(tmp_path):
+    steps = 4
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    out = runs.run(ref_dir, *LORA, "train.save_freq=1", steps=steps)
+    assert out.returncode == 0, out.stderr[-3000:]
+    reference = runs.by_step(runs.metrics(ref_dir))
+    resumed = runs.kill_then_resume(run_dir, *LORA, "train.save_freq=1", steps=steps, kill_after=[2])
+    assert resumed == reference
+
+    # The checkpoint holds the adapters (and their optimizer state) only.
+    step, adapters, cfg, _ = load_checkpoint_params(str(run_dir))
+    assert step == steps and all(is_adapter(p) for p in _paths(adapters))
+
+    peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
+    assert export_main(["--checkpoint", str(run_dir), "--out", str(peft_dir), "--dtype", "float32"]) == 0
+    conf = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert conf["r"] == 4 and conf["lora_alpha"] == 8 and len(conf["target_modules"]) == 7
+    assert export_main(["--checkpoint", str(run_dir), "--out", str(merged_dir), "--dtype", "float32",
+                        "--merge"]) == 0
+    # The merged export computes what the base (re-drawn from the preset's seed) with the adapters does.
+    base = init_params(cfg, seed=0)
+    ids = jnp.asarray(np.array([[2, 5, 3, 7, 9, 4]], np.int32))
+    lora_gd, _ = graphdef_and_abstract_params(cfg.replace(lora_rank=4, lora_alpha=8.0,
+                                                          lora_targets=tuple(conf["target_modules"])))
+    base_gd, _ = graphdef_and_abstract_params(cfg)
+    ours = nnx.merge(lora_gd, combine(base, adapters))(ids)
+    exported = nnx.merge(base_gd, load_params(str(merged_dir), cfg))(ids)
+    np.testing.assert_allclose(np.asarray(exported), np.asarray(ours), atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(ours) - np.asarray(nnx.merge(base_gd, base)(ids))).max() > 1e-3
+
+    # A new run from the exported adapter starts with exactly those adapters.
+    again = RLTrainer(runs.run_config("train.driver='inprocess'", *LORA, f"model.lora_adapter_path='{peft_dir}'",
+                                      run_dir=tmp_path / "again"))
+    started = partition(_host(again.worker.obj.actor.state["params"]), is_adapter)[0]
+    jax.tree.map(np.testing.assert_array_equal, started, _host(adapters))
