@@ -221,7 +221,10 @@ class JaxEngine(EngineWeights):
 
     def _warm_decode(self, rows: int, num_pages: int, width: int, key, spec) -> None:
         """Builds the decode programs of every slot bucket this call can reach, in parallel threads, before
-        the pool is allocated (so XLA's autotuning has the device's memory)."""
+        the pool is allocated (so XLA's autotuning has the device's memory). Not on the CPU backend, where the
+        compiles share the cores that run them and a short rollout reaches few of the buckets."""
+        if jax.devices()[0].platform == "cpu":
+            return
         cap = max(1, self.max_num_seqs // self._dp)
         top = min(cap, max(1, -(-rows // self._dp)))
         widths = sorted({min(cap, max(MIN_SLOTS, slot_bucket(k))) for k in range(1, top + 1)})

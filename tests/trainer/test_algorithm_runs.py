@@ -66,7 +66,11 @@ def _finite(metrics: list[dict]):
         assert not bad, bad
 
 
-LOSSES = sorted(set(POLICY_LOSS_REGISTRY) - {"bypass_mode"})
+# Every registered loss is exact under micro-batching at the unit level (tests/algorithms/test_policy_loss.py);
+# in the trainer, one loss per distinct path: the default token-level clip, a sequence-level ratio (gspo), and
+# the two that select tokens from an extra forward pass (clip_cov, kl_cov). The rest differ only in formula.
+TRAINER_PATHS = ("vanilla", "gspo", "clip_cov", "kl_cov")
+LOSSES = sorted(set(TRAINER_PATHS) & set(POLICY_LOSS_REGISTRY))
 RC_MODES = {
     "decoupled_token_tis_seq_rs": ("algorithm.rollout_correction.rollout_is='token'",
                                    "algorithm.rollout_correction.rollout_is_threshold=1.5",

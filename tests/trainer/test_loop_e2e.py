@@ -82,7 +82,7 @@ def test_ppo_with_vllm_engine_under_ray(tmp_path):
     ram = tmp_path / "ram"
     ram.mkdir()
     run = runs.run_config("rollout.engine='vllm'", "train.driver='ray'", VLLM_MODEL, "algorithm.adv_estimator='gae'",
-                          "critic.lr=1e-3", "rollout.n=1", f"rollout.weights_dir='{ram}'", steps=2,
+                          "critic.lr=1e-3", "rollout.n=1", f"rollout.weights_dir='{ram}'", steps=1,
                           run_dir=tmp_path / "ppo_vllm")
     trainer = RLTrainer(run)
     assert trainer.weights_dir.startswith(str(ram)) and os.listdir(trainer.weights_dir) == ["0"]
