@@ -45,7 +45,14 @@ import jax.numpy as jnp  # noqa: E402
 from jaxrl_llm.models import Qwen2Config, init_params, load_hf  # noqa: E402
 from jaxrl_llm.models.config import PRESETS  # noqa: E402
 from jaxrl_llm.trainer.metrics import veRL_flops  # noqa: E402
-from scripts.bench_common import REPO, data_dir, gsm8k_prompts, seed_response_lengths, timeit  # noqa: E402
+from scripts.bench_common import (  # noqa: E402
+    REPO,
+    data_dir,
+    generate_twice,
+    gsm8k_prompts,
+    seed_response_lengths,
+    timeit,
+)
 
 RESULTS: list[dict] = []
 # Roofline and MFU denominators: the hardware as torch's copy and cuBLAS matmul reach it on this GPU
@@ -197,12 +204,7 @@ def rollout(presets, batches, small: bool, new_tokens: int = 232):
             eng = JaxEngine(cfg, params, dtype="bfloat16", max_num_seqs=batch, max_prompt_length=512)
             prompts = gsm8k_prompts(batch)
             sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
-            t0 = time.perf_counter()
-            eng.generate(prompts, sp)
-            first = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            out = eng.generate(prompts, sp.replace(seed=1))
-            dt = time.perf_counter() - t0
+            first, out, dt = generate_twice(eng, prompts, sp)
             assert int(out.lengths.min()) == new_tokens
             eng.generate(prompts, sp.replace(max_new_tokens=1))
             t0 = time.perf_counter()

@@ -97,3 +97,13 @@ def timeit(fn, *args, warmup: int = 1, iters: int = 5, warm_s: float = 0.0) -> f
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def generate_twice(engine, prompts, sampling):
+    """A first (compiling) generation, then a timed one with the next seed: (first_s, batch, seconds)."""
+    t0 = time.perf_counter()
+    engine.generate(prompts, sampling)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, sampling.replace(seed=sampling.seed + 1))
+    return first, out, time.perf_counter() - t0

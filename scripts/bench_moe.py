@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxrl_llm.models.config import PRESETS  # noqa: E402
 from jaxrl_llm.trainer.metrics import peak_tflops, veRL_flops  # noqa: E402
-from scripts.bench_common import timeit  # noqa: E402
+from scripts.bench_common import generate_twice, timeit  # noqa: E402
 
 OUT_FILE: str | None = None
 
@@ -150,12 +150,7 @@ def decode(cfg, rows: int, new_tokens: int, prompt_len: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(rows)]
     sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
-    t0 = time.perf_counter()
-    eng.generate(prompts, sp)
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = eng.generate(prompts, sp.replace(seed=1))
-    dt = time.perf_counter() - t0
+    first, out, dt = generate_twice(eng, prompts, sp)
     emit(section="decode", layers=cfg.num_hidden_layers, rows=rows, prompt_len=prompt_len, new_tokens=new_tokens,
          generated=int(out.lengths.sum()), seconds=dt, first_call_s=first, tokens_per_s=float(out.lengths.sum()) / dt)
 

@@ -42,8 +42,7 @@ class ModelConfig:
     critic_path: str | None = None  # defaults to `path` (veRL initialises the critic from the actor)
     overrides: dict | None = None  # Qwen2Config fields to change (e.g. a smaller vocab for a preset)
     seed: int = 0
-    # LoRA (veRL's actor_rollout_ref.model.*): rank 0 is full fine-tuning. Adapters go on the linear
-    # layers named in target_modules ('all-linear' or names such as q_proj, v_proj) less exclude_modules.
+    # LoRA (veRL's names; rank 0: full fine-tuning) on target_modules ('all-linear' or names) less exclude_modules.
     lora_rank: int = 0
     lora_alpha: float = 16.0
     target_modules: str | tuple[str, ...] = "all-linear"

@@ -7,10 +7,11 @@ from jaxrl_llm.data.arithmetic import build_tokenizer, chance_reward
 from tests.trainer import runs
 
 
-def test_tiny_grpo_demo_reward_rises_well_above_chance(tmp_path):
+def _demo(gin_file: str, tmp_path) -> tuple[float, list[dict], np.ndarray]:
+    """An 80-step run of a demo recipe: chance reward, metric rows, and the per-step mean scores."""
     chance = chance_reward(build_tokenizer(), max_operand=4, max_new_tokens=3)
     out = runs.subprocess.run(
-        [runs.sys.executable, "-m", "jaxrl_llm.train", "--gin_file=gin/grpo_tiny.gin",
+        [runs.sys.executable, "-m", "jaxrl_llm.train", f"--gin_file={gin_file}",
          "--gin.train.total_training_steps=80", "--gin.train.test_freq=80", "--gin.train.val_before_train=False",
          "--gin.train.progress_bar=False", f"--gin.train.run_dir='{tmp_path}'"],
         cwd=runs.REPO, capture_output=True, text=True, timeout=600)
@@ -19,6 +20,11 @@ def test_tiny_grpo_demo_reward_rises_well_above_chance(tmp_path):
     scores = np.array([r["critic/score/mean"] for r in rows if "critic/score/mean" in r])
     assert len(scores) == 80 and chance < 0.01
     assert scores[:5].mean() < 0.1
+    return chance, rows, scores
+
+
+def test_tiny_grpo_demo_reward_rises_well_above_chance(tmp_path):
+    chance, rows, scores = _demo("gin/grpo_tiny.gin", tmp_path)
     assert scores[-10:].mean() > 0.3 > 30 * chance  # the same seed reached ~0.6 by step 75
     assert rows[-1]["val-core/arithmetic/reward/mean@1"] > 0.3
 
@@ -26,16 +32,6 @@ def test_tiny_grpo_demo_reward_rises_well_above_chance(tmp_path):
 def test_tiny_grpo_lora_demo_reward_rises_well_above_chance(tmp_path):
     """gin/grpo_tiny_lora.gin: the same task with only LoRA adapters training (the same seed scored ~0.87 by
     step 60 and passed 0.9 at step 140)."""
-    chance = chance_reward(build_tokenizer(), max_operand=4, max_new_tokens=3)
-    out = runs.subprocess.run(
-        [runs.sys.executable, "-m", "jaxrl_llm.train", "--gin_file=gin/grpo_tiny_lora.gin",
-         "--gin.train.total_training_steps=80", "--gin.train.test_freq=80", "--gin.train.val_before_train=False",
-         "--gin.train.progress_bar=False", f"--gin.train.run_dir='{tmp_path}'"],
-        cwd=runs.REPO, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = runs.metrics(tmp_path)
-    scores = np.array([r["critic/score/mean"] for r in rows if "critic/score/mean" in r])
-    assert len(scores) == 80 and chance < 0.01
-    assert scores[:5].mean() < 0.1
+    chance, rows, scores = _demo("gin/grpo_tiny_lora.gin", tmp_path)
     assert scores[-10:].mean() > 0.4 > 40 * chance
     assert rows[-1]["val-core/arithmetic/reward/mean@1"] > 0.4
