@@ -18,11 +18,18 @@ import pytest  # noqa: E402
 # functions, and most of them lower to programs an earlier test compiled already (the sampler's above
 # all); loading those from disk takes a fraction of compiling them. A fresh directory per session, so
 # nothing carries over between jax versions or checkouts.
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jaxrl_test_xla_cache_"))
+# Under pytest-xdist the controller imports this file first and its workers inherit the variable, so the
+# workers share one cache.
+_CACHE = os.environ.setdefault("JAXRL_TEST_XLA_CACHE", tempfile.mkdtemp(prefix="jaxrl_test_xla_cache_"))
+jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# Test files that start a Ray cluster (in-process or in a child). They run one after another on one xdist
+# worker: two clusters on one small machine compete for its memory and cores.
+RAY_FILES = {"tests/rewards/test_manager_ray.py", "tests/rollout/test_vllm_pool.py", "tests/trainer/test_loop_e2e.py",
+             "tests/trainer/test_multiprocess.py"}
 SHARED_DATA = pathlib.Path(os.environ.get("JAXRL_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
@@ -51,3 +58,26 @@ def qwen2_tokenizer_dir(shared_data) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def gsm8k_dir(shared_data) -> pathlib.Path:
     return shared_data / "gsm8k"
+
+
+# ---- pytest-xdist: whole files per worker ------------------------------------------------------------
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker a core, at most 4 and at most one per 6 GiB of memory (a trainer test with
+    8 simulated devices and a vLLM test each take a few GiB)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(cores, 4, int(mem_gib // 6)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Schedules whole files under `--dist loadgroup` (an expensive module fixture is built once), with
+    the Ray and vLLM tests as one group on one worker, started first: it is the longest unit, and a long
+    unit started last leaves the other workers idle at the end. Without xdist only the order changes."""
+    groups = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        name = "ray" if path in RAY_FILES or item.get_closest_marker("vllm") is not None else path
+        item.add_marker(pytest.mark.xdist_group(name))
+        groups[item.nodeid] = name
+    items.sort(key=lambda item: groups[item.nodeid] != "ray")
