@@ -5,7 +5,8 @@ parameters, and decode tokens/s.
   python scripts/bench_moe.py --preset tiny_moe --tokens 256 --rows 4 --new-tokens 8   # CPU smoke
 
 * grouped: one expert projection of T tokens routed top-k over E experts ([T k, D] x [E, D, I]) with
-  `jax.lax.ragged_dot` (what models/moe.py runs), against a dense [T k, D] x [D, I] matmul of the same
+  the Pallas kernels (kernels/grouped_matmul.py, what models/moe.py runs on GPUs) and with
+  `jax.lax.ragged_dot`, against a dense [T k, D] x [D, I] matmul of the same
   FLOPs and a capacity-padded batched matmul ([E, C, D] x [E, D, I], C = 1.25 T k / E, the GShard
   layout); forward, and forward + backward.
 * update: the GRPO actor step (models forward/backward through `trainer/steps.py`'s actor loss with the
@@ -35,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxrl_llm.models.config import PRESETS  # noqa: E402
 from jaxrl_llm.trainer.metrics import peak_tflops, veRL_flops  # noqa: E402
+from kernels.grouped_matmul import grouped_matmul  # noqa: E402
 from scripts.bench_common import generate_twice, timeit  # noqa: E402
 
 OUT_FILE: str | None = None
@@ -63,7 +65,8 @@ def fitting_layers(cfg, bytes_per_param: float, reserve_gb: float) -> int:
 
 
 def grouped(cfg, tokens: int, seed: int = 0):
-    """ragged_dot vs a dense matmul of the same FLOPs vs the capacity-padded batched matmul."""
+    """The Pallas grouped matmul and ragged_dot vs a dense matmul of the same FLOPs vs the
+    capacity-padded batched matmul."""
     e, k, d, i = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     dt = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     keys = jax.random.split(jax.random.key(seed), 4)
@@ -76,6 +79,7 @@ def grouped(cfg, tokens: int, seed: int = 0):
     flops = 2.0 * tokens * k * d * i
     cases = {
         "ragged_dot": (lambda a, b: jax.lax.ragged_dot(a, b, group_sizes), (x, w), flops),
+        "pallas_gmm": (lambda a, b: grouped_matmul(a, b, group_sizes, impl="pallas"), (x, w), flops),
         "dense_same_flops": (lambda a, b: a @ b, (x, w[0]), flops),
         "capacity_bmm": (lambda a, b: jnp.einsum("ecd,edi->eci", a, b), (xc, w), 2.0 * e * cap * d * i),
     }

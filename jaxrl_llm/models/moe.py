@@ -1,9 +1,11 @@
 """Qwen3-MoE's sparse MLP: a softmax router picks top-k SwiGLU experts per token.
 
 Expert compute is grouped: the N·k (token, expert) pairs are sorted by expert and each expert's
-contiguous block is multiplied by its own weights with `jax.lax.ragged_dot` (one grouped matmul per
-projection). Nothing is dense over experts: no loop over E, no [N, E, ...] one-hot dispatch. FLOPs
-are those of the active experts only; the sort and the two gathers are O(N·k·D) memory traffic.
+contiguous block is multiplied by its own weights (one grouped matmul per projection): on GPUs with
+the Pallas kernels of kernels/grouped_matmul.py, elsewhere with `jax.lax.ragged_dot` (XLA's GPU
+lowering of ragged_dot pads every group to all the rows). Nothing is dense over experts: no loop
+over E, no [N, E, ...] one-hot dispatch. FLOPs are those of the active experts only; the sort and
+the two gathers are O(N·k·D) memory traffic.
 
 Facts from transformers' Qwen3MoeSparseMoeBlock that parity depends on: router logits are
 `x @ W_gate` in the compute dtype, the softmax is in fp32, top-k is taken on the probabilities,
@@ -22,6 +24,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import sharding
+from kernels.grouped_matmul import grouped_matmul
 
 
 def route(x: jax.Array, router_w: jax.Array, *, top_k: int, norm_topk_prob: bool):
@@ -58,9 +61,9 @@ def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_w
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E], ids >= E dropped
     xs = jnp.take(x, order // k, axis=0)  # [N k, D]
     dt = x.dtype
-    gate = jax.lax.ragged_dot(xs, gate_w.astype(dt), group_sizes)  # [N k, I]
-    up = jax.lax.ragged_dot(xs, up_w.astype(dt), group_sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_w.astype(dt), group_sizes)  # [N k, D]
+    gate = grouped_matmul(xs, gate_w.astype(dt), group_sizes)  # [N k, I]
+    up = grouped_matmul(xs, up_w.astype(dt), group_sizes)
+    ys = grouped_matmul(jax.nn.silu(gate) * up, down_w.astype(dt), group_sizes)  # [N k, D]
     in_group = jnp.arange(n * k) < jnp.sum(group_sizes)  # rows past the groups are not defined to be 0
     ys = jnp.where(in_group[:, None], ys * jnp.take(weights.reshape(-1), order)[:, None], 0)
     # Undo the sort with a gather (cheaper and deterministic, unlike a scatter-add), then sum the k.
