@@ -90,23 +90,25 @@ def _gmm_kernel(tile_ref, group_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out
     row_ids = tile * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [bm]
     valid = (row_ids >= lo) & (row_ids < hi)
     contraction = lhs_ref.shape[1]
-    steps = jnp.where(jnp.any(valid), contraction // block_k, 0)
-    weights = rhs_ref.at[jnp.minimum(group, rhs_ref.shape[0] - 1)]
+    first = tile * block_m
+    overlap = (lo < hi) & (lo < first + block_m) & (hi > first)  # (Triton has no reduce_or for any(valid))
+    steps = overlap.astype(jnp.int32) * (contraction // block_k)  # (a select gives scf.for mixed types)
+    g = jnp.minimum(group, rhs_ref.shape[0] - 1)
     cols = pl.ds(j * block_n, block_n)
 
     def body(i, acc):
         ks = pl.ds(i * block_k, block_k)
         a = pltriton.load(lhs_ref.at[rows, ks], mask=valid[:, None], other=0)  # [bm, bk]
         if transpose_rhs:
-            b = pltriton.load(weights.at[cols, ks])  # [bn, bk]
+            b = pltriton.load(rhs_ref.at[g, cols, ks])  # [bn, bk]
             dims = (((1,), (1,)), ((), ()))
         else:
-            b = pltriton.load(weights.at[ks, cols])  # [bk, bn]
+            b = pltriton.load(rhs_ref.at[g, ks, cols])  # [bk, bn]
             dims = (((1,), (0,)), ((), ()))
         return acc + lax.dot_general(a, b.astype(a.dtype), dims, precision=precision,
                                      preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    acc = lax.fori_loop(jnp.int32(0), steps, body, jnp.zeros((block_m, block_n), jnp.float32))
     pltriton.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=valid[:, None])
 
 
@@ -119,7 +121,7 @@ def _tgmm_kernel(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, block_m, p
     cs = pl.ds(pl.program_id(1) * bc, bc)
     ns = pl.ds(pl.program_id(2) * bn, bn)
     first = lax.div(lo, block_m)
-    last = jnp.where(hi > lo, lax.div(hi + block_m - 1, block_m), first)
+    last = first + (hi > lo).astype(jnp.int32) * (lax.div(hi + block_m - 1, block_m) - first)
 
     def body(t, acc):
         rows = pl.ds(t * block_m, block_m)

@@ -86,8 +86,12 @@ def grouped(cfg, tokens: int, seed: int = 0):
     for name, (fn, args, f) in cases.items():
         fwd = jax.jit(fn)
         bwd = jax.jit(jax.grad(lambda a, b, fn=fn: jnp.sum(fn(a, b).astype(jnp.float32)), argnums=(0, 1)))
-        t_f = timeit(fwd, *args, iters=10, warm_s=0.5)
-        t_b = timeit(bwd, *args, iters=10, warm_s=0.5)
+        try:
+            t_f = timeit(fwd, *args, iters=10, warm_s=0.5)
+            t_b = timeit(bwd, *args, iters=10, warm_s=0.5)
+        except Exception as err:  # ragged_dot's dense expansion runs out of memory at 16k tokens
+            emit(section="grouped", what=name, tokens=tokens, error=f"{type(err).__name__}: {str(err)[:200]}")
+            continue
         emit(section="grouped", what=name, tokens=tokens, experts=e, top_k=k, d=d, i=i, dtype=str(jnp.dtype(dt)),
              useful_gflop=flops / 1e9, fwd_ms=t_f * 1e3, fwd_tflops=flops / t_f / 1e12,
              fwd_bwd_ms=t_b * 1e3, fwd_bwd_tflops=3 * flops / t_b / 1e12, executed_gflop=f / 1e9)
@@ -126,7 +130,7 @@ def update(cfg, rows: int, length: int, seed: int = 0):
     zeros = steps.make_zeros(shardings)
 
     def step(state):
-        g, m = grad(state["params"], zeros(state["params"]), metrics0(state["params"], mb, norm), mb, norm)
+        g, m = grad(state["params"], {}, zeros(state["params"]), metrics0(state["params"], mb, norm), mb, norm)
         return apply(state, g)
 
     for _ in range(2):  # compile, then warm
