@@ -107,3 +107,56 @@ def generate_twice(engine, prompts, sampling):
     t0 = time.perf_counter()
     out = engine.generate(prompts, sampling.replace(seed=sampling.seed + 1))
     return first, out, time.perf_counter() - t0
+
+
+# ---- result rows ----------------------------------------------------------------------------------
+# Roofline and MFU denominators: the hardware as torch's copy and cuBLAS matmul reach it on this GPU
+# (scripts/bench_torch.py); XLA's own elementwise and GEMM kernels reach less, reported beside.
+CEILINGS = {"copy_tb_s": None, "matmul_tflops": None}
+ATTENTION = {"impl": "auto"}  # bench.py's attention section sets "xla" if the cuDNN self-check fails
+
+
+class Rows:
+    """A benchmark's result rows: each kept in `rows`, printed as a JSON line by process 0, and appended
+    to `path` (JSON lines) when set; `stamp` adds the device and the date to every row."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.path: str | None = None
+        self.stamp = False
+
+    def emit(self, **row) -> dict:
+        import jax
+
+        row = {k: (float(v) if isinstance(v, np.floating) else v) for k, v in row.items()}
+        if self.stamp:
+            row = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"), **row}
+        self.rows.append(row)
+        if jax.process_index() == 0:
+            line = json.dumps(row)
+            print(line, flush=True)
+            if self.path:
+                with open(self.path, "a") as f:
+                    f.write(line + "\n")
+        return row
+
+
+ROWS = Rows()
+emit = ROWS.emit
+
+
+def compiled_gb(jitted, *args) -> float:
+    """Peak device memory of one compiled call: arguments + outputs + temporaries - aliased."""
+    m = jitted.lower(*args).compile().memory_analysis()
+    if m is None:
+        return float("nan")
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return total / 1e9
+
+
+def device_gb() -> float:
+    """The device's peak memory in use so far (GB); 0 where the backend keeps no statistics."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use", 0) / 1e9

@@ -30,20 +30,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxrl_llm.models.config import PRESETS  # noqa: E402
+from scripts.bench_common import ROWS, emit  # noqa: E402
 from scripts.bench_common import timeit as _timeit  # noqa: E402
 
 timeit = functools.partial(_timeit, iters=20, warm_s=0.5)
 
 
-OUT_FILE: str | None = None
 
 
-def emit(**row):
-    line = json.dumps(row)
-    print(line, flush=True)
-    if OUT_FILE:
-        with open(OUT_FILE, "a") as f:
-            f.write(line + "\n")
 
 
 def ceilings():
@@ -225,9 +219,8 @@ def main():
     ap.add_argument("--seed_prompts", type=int, default=128, help="seed: prompts (x 5 responses)")
     ap.add_argument("--attentions", default="xla", help="seed: decode attentions to compare (xla,pallas)")
     args = ap.parse_args()
-    global OUT_FILE
     os.makedirs(args.out, exist_ok=True)
-    OUT_FILE = os.path.join(args.out, "decode.jsonl")
+    ROWS.path = os.path.join(args.out, "decode.jsonl")
     extra = {"vocab_size": 151936, "max_position_embeddings": 2048} if args.preset == "tiny" else {}
     cfg = PRESETS[args.preset](dtype="bfloat16", param_dtype="bfloat16", **extra)
     s = args.sections.split(",")

@@ -22,7 +22,6 @@ Rows are JSON lines on stdout (and in `--out`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -37,18 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxrl_llm.models.config import PRESETS  # noqa: E402
 from jaxrl_llm.trainer.metrics import peak_tflops, veRL_flops  # noqa: E402
 from kernels.grouped_matmul import grouped_matmul  # noqa: E402
-from scripts.bench_common import generate_twice, timeit  # noqa: E402
-
-OUT_FILE: str | None = None
-
-
-def emit(**row):
-    row = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"), **row}
-    line = json.dumps(row)
-    print(line, flush=True)
-    if OUT_FILE:
-        with open(OUT_FILE, "a") as f:
-            f.write(line + "\n")
+from scripts.bench_common import ROWS, emit, generate_twice, timeit  # noqa: E402
 
 
 def fitting_layers(cfg, bytes_per_param: float, reserve_gb: float) -> int:
@@ -164,7 +152,6 @@ def decode(cfg, rows: int, new_tokens: int, prompt_len: int, seed: int = 0):
 
 
 def main() -> None:
-    global OUT_FILE
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3_30b_a3b", help="a MoE preset (tiny_moe for the CPU smoke test)")
     p.add_argument("--layers", type=int, default=0, help="decoder layers (0: as many as fit)")
@@ -178,7 +165,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--out", default=None, help="append the JSON rows to this file")
     args = p.parse_args()
-    OUT_FILE = args.out
+    ROWS.path, ROWS.stamp = args.out, True
     base = PRESETS[args.preset]()
     if not base.is_moe:
         raise SystemExit(f"--preset {args.preset!r} is not a mixture of experts; use qwen3_30b_a3b or tiny_moe")

@@ -17,7 +17,6 @@ Random weights (init_params): the work's shape is the model's, the tokens are no
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -27,15 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-OUT_FILE: str | None = None
-
-
-def emit(**row):
-    line = json.dumps(row)
-    print(line, flush=True)
-    if OUT_FILE:
-        with open(OUT_FILE, "a") as f:
-            f.write(line + "\n")
+from scripts.bench_common import ROWS, emit  # noqa: E402
 
 
 def long_lengths(n: int, seed: int = 0, cap: int = 16384) -> np.ndarray:
@@ -144,9 +135,8 @@ def main():
                     help="a persistent compilation cache dir; also logs each program's trace/lower/compile times")
     ap.add_argument("--one", nargs=3, metavar=("PRESET", "ENGINE", "SECTION"), help="(internal) one process's run")
     args = ap.parse_args()
-    global OUT_FILE
     os.makedirs(args.out, exist_ok=True)
-    OUT_FILE = os.path.join(args.out, "paged.jsonl")
+    ROWS.path = os.path.join(args.out, "paged.jsonl")
     if args.one:
         one(*args.one, repeats=args.repeats, attention=args.attention, max_num_seqs=args.max_num_seqs,
             compile_cache=args.compile_cache, out_dir=args.out)

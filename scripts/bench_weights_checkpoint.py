@@ -15,7 +15,6 @@ Each timed twice; one JSON row a measurement. `--small` runs the tiny preset (a 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -32,15 +31,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from jaxrl_llm.models import init_params  # noqa: E402
 from jaxrl_llm.models.config import PRESETS  # noqa: E402
 from jaxrl_llm.weights_io import restore_weights, save_weights  # noqa: E402
-
-OUT = None
-
-
-def emit(**row):
-    print(json.dumps(row), flush=True)
-    if OUT:
-        with open(OUT, "a") as f:
-            f.write(json.dumps(row) + "\n")
+from scripts.bench_common import ROWS, emit  # noqa: E402
 
 
 def _orbax(handler, path, tree):
@@ -58,14 +49,13 @@ def _orbax(handler, path, tree):
 
 
 def main():
-    global OUT
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2p5_7b")
     ap.add_argument("--dirs", default="/tmp")
     ap.add_argument("--out", default=None)
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
-    OUT = args.out
+    ROWS.path = args.out
     preset = "tiny" if args.small else args.preset
     cfg = PRESETS[preset](dtype="bfloat16", param_dtype="bfloat16")
     params = jax.block_until_ready(init_params(cfg, seed=0))
