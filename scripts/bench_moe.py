@@ -85,10 +85,12 @@ def grouped(cfg, tokens: int, seed: int = 0):
              fwd_bwd_ms=t_b * 1e3, fwd_bwd_tflops=3 * flops / t_b / 1e12, executed_gflop=f / 1e9)
 
 
-def update(cfg, rows: int, length: int, seed: int = 0):
-    """One actor update (grad step + AdamW) on `rows` packed rows of `length` tokens, one sequence a row."""
+def update(cfg, rows: int, length: int, seed: int = 0, expert: int = 1):
+    """One actor update (grad step + AdamW) on `rows` packed rows of `length` tokens, one sequence a row;
+    `expert` > 1 splits the experts over a mesh axis of that size (the batch over the same devices)."""
     import optax
 
+    from jaxrl_llm import sharding
     from jaxrl_llm.algorithms import LossNorm
     from jaxrl_llm.models import graphdef_and_abstract_params, init_params, param_shardings
     from jaxrl_llm.trainer import steps
@@ -103,12 +105,16 @@ def update(cfg, rows: int, length: int, seed: int = 0):
     batch.fields["old_log_prob"] = np.full((rows, resp), -10.0, np.float32)
     mb = build_micro_batch(batch, [(r, r, 0) for r in range(rows)], PackShape(rows, length, rows, resp),
                            fields=("advantages", "old_log_prob"))
-    mb = {k: jnp.asarray(v) for k, v in mb.items()}
+    mesh = sharding.make_mesh(fsdp=1, expert=expert) if expert > 1 else None
+    if mesh is not None:  # the experts' shard_map reads the ambient mesh; new arrays land on all its devices
+        jax.set_mesh(mesh)
+    mb = {k: jax.device_put(v, sharding.batch_sharding(mesh, v.ndim, v.shape)) if mesh else jnp.asarray(v)
+          for k, v in mb.items()}
     norm = LossNorm(jnp.float32(rows * resp), jnp.float32(rows), jnp.float32(resp))
 
     graphdef, _ = graphdef_and_abstract_params(cfg)
-    shardings = param_shardings(cfg, None)
-    params = init_params(cfg, seed=seed)
+    shardings = param_shardings(cfg, mesh)
+    params = init_params(cfg, mesh=mesh, seed=seed)
     tx = optax.adamw(1e-6)
     state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.int32(0), "skipped": jnp.int32(0)}
     settings = steps.ActorLossSettings(router_aux_loss_coef=cfg.router_aux_loss_coef, chunk_size=4096)
@@ -132,9 +138,11 @@ def update(cfg, rows: int, length: int, seed: int = 0):
         times.append(time.perf_counter() - t0)
     dt = float(np.median(times))
     flops = veRL_flops(cfg, np.full(rows, length))
-    emit(section="update", layers=cfg.num_hidden_layers, rows=rows, length=length, remat=cfg.remat, seconds=dt,
+    emit(section="update", layers=cfg.num_hidden_layers, expert=expert, devices=max(expert, 1), rows=rows,
+         length=length, remat=cfg.remat, seconds=dt,
          tokens_per_s=rows * length / dt, active_params=cfg.num_params(active=True), total_params=cfg.num_params(),
-         tflops=flops / dt / 1e12, mfu=flops / dt / 1e12 / peak_tflops(), grad_norm=float(out["grad_norm"]))
+         tflops=flops / dt / 1e12, mfu=flops / dt / 1e12 / peak_tflops() / max(expert, 1),
+         grad_norm=float(out["grad_norm"]))
 
 
 def decode(cfg, rows: int, new_tokens: int, prompt_len: int, seed: int = 0):
@@ -160,6 +168,7 @@ def main() -> None:
     p.add_argument("--update-rows", type=int, default=8)
     p.add_argument("--update-length", type=int, default=2048)
     p.add_argument("--remat", default="full", choices=("none", "full", "dots"))
+    p.add_argument("--expert", type=int, default=1, help="update: expert-parallel devices (train.mesh_expert)")
     p.add_argument("--rows", type=int, default=256, help="decode: rows")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -178,7 +187,7 @@ def main() -> None:
         layers = args.layers or fitting_layers(base, 20.0, reserve_gb=12.0)
         cfg = base.replace(num_hidden_layers=layers, dtype="bfloat16" if gpu else "float32", param_dtype="float32",
                            remat=args.remat, output_router_logits=True)
-        update(cfg, args.update_rows, args.update_length)
+        update(cfg, args.update_rows, args.update_length, expert=args.expert)
     if "decode" in sections:
         # bf16 weights twice (the initial params and the engine's copy); KV pages in the reserve
         layers = args.layers or fitting_layers(base, 4.0, reserve_gb=16.0)
