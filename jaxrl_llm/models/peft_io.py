@@ -38,9 +38,12 @@ def adapter_config(spec: LoraSpec, *, base_model: str | None) -> dict:
 
 def save_peft(adapters: dict, spec: LoraSpec, out_dir: str | os.PathLike, *, base_model: str | None = None,
               dtype: str | None = None) -> str:
-    """Writes `adapters` (our tree, on any devices) as a PEFT directory; `dtype` None keeps theirs."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Writes `adapters` (our tree, on any devices) as a PEFT directory; `dtype` None keeps theirs. Every
+    process of a multi-process run calls it (the gather is collective); process 0 alone writes."""
     host = jax.tree.map(lambda x: np.asarray(distributed.fetch(x)), adapters)
+    if not distributed.is_main():
+        return os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
 
     def tensors():
         for name in spec.targets:
