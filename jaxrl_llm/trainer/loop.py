@@ -167,7 +167,10 @@ class RLTrainer:
         from jaxrl_llm.trainer.roles import init_ray
 
         self.weights_dir = self._weights_dir()
-        # Every process writes its shards. LoRA with adapter syncs: the frozen base, then this step's adapters.
+        # Every process writes its shards. LoRA with adapter syncs: the frozen base, then this step's adapters
+        # (a killed run's newer adapters, left on disk, go first).
+        if self.sync_adapters and self.main:
+            shutil.rmtree(os.path.join(self.weights_dir, "adapters"), ignore_errors=True)
         self.worker.call("save_weights", self.weights_dir, self.global_step, base=self.sync_adapters)
         adapter = self.worker.call("save_adapters", self.weights_dir, self.global_step) if self.sync_adapters else None
         if not self.main:
