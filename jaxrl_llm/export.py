@@ -4,8 +4,9 @@ Writes the actor of a run checkpoint as a HF directory (config.json, safetensors
 the run's tokenizer) that transformers and vLLM load, for any supported family (the checkpoint keeps
 the model's HF config). With `--critic` it writes the critic as the family's `*ForTokenClassification`
 instead. A LoRA run's actor is written as a PEFT adapter directory (adapter_config.json +
-adapter_model.safetensors) for the base it was trained on; `--merge` writes the base with the adapters
-merged in as a full HF directory instead. Parameters are restored on the host, so no accelerator is needed.
+adapter_model.safetensors) for the base it was trained on, its critic as a PEFT TOKEN_CLS directory
+(the value head in modules_to_save); `--merge` writes the base with the adapters merged in as a full HF
+directory instead. Parameters are restored on the host, so no accelerator is needed.
 """
 
 from __future__ import annotations

@@ -73,9 +73,9 @@ def bench_jax(args, cfg, spec, rows: dict) -> None:
         return run
 
     for what, fn in (("jax/full", sync(lambda: full)), ("jax/merge", sync(lambda: merge(base, adapters)))):
-        s = timeit(fn, warmup=1, iters=args.repeats)
+        s = timeit(fn, warmup=1, iters=args.repeats)  # the median of `repeats` calls
         rows.setdefault(what, []).append(dict(seconds=s))
-        emit(what=what, seconds=s)
+        emit(what=what, median_of=args.repeats, seconds=s)
     full = None  # frees the master copy
     engine.release_weights()
 
@@ -105,7 +105,7 @@ def bench_jax(args, cfg, spec, rows: dict) -> None:
     for what, beside in (("jax/decode_merged", False), ("jax/decode_beside", True)):
         s = timeit(projections(beside), layers, ad, xs, warmup=1, iters=args.repeats * 3)
         rows.setdefault(what, []).append(dict(seconds=s))
-        emit(what=what, rows=args.decode_rows, seconds=s)
+        emit(what=what, rows=args.decode_rows, median_of=args.repeats * 3, seconds=s)
 
 
 def bench_vllm(args, cfg, spec, rows: dict, root: str) -> None:
