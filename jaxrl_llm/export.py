@@ -4,8 +4,9 @@ Writes the actor of a run checkpoint as a HF directory (config.json, safetensors
 the run's tokenizer) that transformers and vLLM load, for any supported family (the checkpoint keeps
 the model's HF config). With `--critic` it writes the critic as the family's `*ForTokenClassification`
 instead. A LoRA run's actor is written as a PEFT adapter directory (adapter_config.json +
-adapter_model.safetensors) for the base it was trained on; `--merge` writes the base with the adapters
-merged in as a full HF directory instead. Parameters are restored on the host, so no accelerator is needed.
+adapter_model.safetensors) for the base it was trained on, its critic as a PEFT TOKEN_CLS directory
+(the value head in modules_to_save); `--merge` writes the base with the adapters merged in as a full HF
+directory instead. Parameters are restored on the host, so no accelerator is needed.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import orbax.checkpoint as ocp
 from jaxrl_llm.checkpoint import NoValidCheckpointError, RunCheckpointer, resolve_resume
 from jaxrl_llm.models import init_params, load_params
 from jaxrl_llm.models.config import DecoderConfig
-from jaxrl_llm.models.hf_io import write_hf_dir
-from jaxrl_llm.models.lora import LoraSpec, merge_adapters
+from jaxrl_llm.models.hf_io import is_critic_checkpoint, write_hf_dir
+from jaxrl_llm.models.lora import LoraSpec, is_adapter, merge_adapters, partition
 from jaxrl_llm.models.peft_io import save_peft
 
 log = logging.getLogger(__name__)
@@ -73,33 +74,42 @@ def export(checkpoint: str, out_dir: str, *, dtype: str | None = "bfloat16", cri
     step, params, cfg, run_dir, meta = load_checkpoint(checkpoint, critic=critic)
     tok = tokenizer_dir or os.path.join(run_dir, "tokenizer")
     lora = meta.get("lora")
-    if lora and critic:
-        raise ValueError("--critic: the critic of a LoRA run cannot be exported yet; export the actor")
     if lora and not merge:
         spec = LoraSpec(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
-        save_peft(params, spec, out_dir, base_model=lora["path"] or lora["preset"], dtype=dtype)
+        adapters, head = partition(params, is_adapter)
+        save_peft(adapters, spec, out_dir, base_model=_base_path(lora, critic) or lora["preset"], dtype=dtype,
+                  head=head.get("score") if critic else None)
         log.info("exported the LoRA adapters of step %d of %s to %s", step, checkpoint, out_dir)
         return out_dir
     if lora:
-        params = merged_params(params, cfg, lora)
+        params = merged_params(params, cfg, lora, critic=critic)
     write_hf_dir(params, cfg, out_dir, critic=critic, tokenizer_dir=tok if os.path.isdir(tok) else None,
                  dtype=dtype, max_shard_size=max_shard_size)
     log.info("exported step %d of %s to %s", step, checkpoint, out_dir)
     return out_dir
 
 
-def merged_params(adapters: dict, cfg: DecoderConfig, lora: dict) -> dict:
+def _base_path(lora: dict, critic: bool) -> str | None:
+    """The HF directory a LoRA run's actor (or critic: `model.critic_path`, else the actor's) started from."""
+    return (lora.get("critic_path") if critic else None) or lora["path"]
+
+
+def merged_params(trained: dict, cfg: DecoderConfig, lora: dict, *, critic: bool = False) -> dict:
     """The run's base (its HF dir, or its random preset re-drawn from the seed) with the adapters merged in,
-    in fp32 on the host."""
+    in fp32 on the host; a critic keeps its trained value head."""
     spec = LoraSpec(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
-    if lora["path"] is not None:
-        if not os.path.isdir(lora["path"]):
-            raise FileNotFoundError(f"--merge: the run's base model {lora['path']!r} is not a directory here; "
+    adapters, head = partition(trained, is_adapter)
+    path = _base_path(lora, critic)
+    if path is not None:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"--merge: the run's base model {path!r} is not a directory here; "
                                     "export without --merge (a PEFT directory) or run where the base is")
-        base = load_params(lora["path"], cfg)
-    else:
-        base = init_params(cfg.replace(param_dtype=lora["param_dtype"]), seed=lora["seed"])
-    return jax.jit(merge_adapters, static_argnums=(2, 3))(base, adapters, spec, jax.numpy.float32)
+        base = load_params(path, cfg, critic=critic and is_critic_checkpoint(path))
+    else:  # the trainer draws a critic's preset from seed + 1 (trainer/model_load.py)
+        base = init_params(cfg.replace(param_dtype=lora["param_dtype"]), seed=lora["seed"] + int(critic),
+                           critic=critic)
+    merged = jax.jit(merge_adapters, static_argnums=(2, 3))(base, adapters, spec, jax.numpy.float32)
+    return {"model": merged["model"], "score": head["score"]} if critic else merged
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,6 +81,16 @@ def hf_config_dict(preset: str) -> dict:
     return cfg
 
 
+def emit(**row) -> None:
+    """One JSON row of a benchmark's output."""
+    print(json.dumps(row), flush=True)
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of every file under `path`."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
 def timeit(fn, *args, warmup: int = 1, iters: int = 5, warm_s: float = 0.0) -> float:
     """Median wall seconds of `fn(*args)` with the result synchronised (after `warmup` calls and at
     least `warm_s` seconds of them, so the clocks are up)."""

@@ -28,19 +28,28 @@ def peft_key(name: str, layer: int, leaf: str) -> str:
     return f"{_PREFIX}model.layers.{layer}.{LORA_MODULES[name]}.{name}.{_LEAVES[leaf]}.weight"
 
 
-def adapter_config(spec: LoraSpec, *, base_model: str | None) -> dict:
+def adapter_config(spec: LoraSpec, *, base_model: str | None, critic: bool = False) -> dict:
+    """A critic's adapter is PEFT's TOKEN_CLS task, its value head (`score`) a module saved in full."""
     alpha = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec.rank,
-            "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": list(spec.targets), "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True, "modules_to_save": None,
-            "inference_mode": True}
+    return {"peft_type": "LORA", "task_type": "TOKEN_CLS" if critic else "CAUSAL_LM",
+            "base_model_name_or_path": base_model, "r": spec.rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+            "target_modules": list(spec.targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "init_lora_weights": True, "modules_to_save": ["score"] if critic else None, "inference_mode": True}
 
 
 def save_peft(adapters: dict, spec: LoraSpec, out_dir: str | os.PathLike, *, base_model: str | None = None,
-              dtype: str | None = None) -> str:
-    """Writes `adapters` (our tree, on any devices) as a PEFT directory; `dtype` None keeps theirs."""
-    os.makedirs(out_dir, exist_ok=True)
+              dtype: str | None = None, head: dict | None = None) -> str:
+    """Writes `adapters` (our tree, on any devices) as a PEFT directory; `dtype` None keeps theirs. Every
+    process of a multi-process run calls it (the gather is collective); process 0 alone writes.
+
+    `head`: a critic's value head ({"kernel": [D, 1], "bias": [1]}), trained in full; the directory is then
+    a TOKEN_CLS adapter that PEFT loads onto the family's *ForTokenClassification.
+    """
     host = jax.tree.map(lambda x: np.asarray(distributed.fetch(x)), adapters)
+    head = None if head is None else jax.tree.map(lambda x: np.asarray(distributed.fetch(x)), head)
+    if not distributed.is_main():
+        return os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
 
     def tensors():
         for name in spec.targets:
@@ -53,10 +62,14 @@ def save_peft(adapters: dict, spec: LoraSpec, out_dir: str | os.PathLike, *, bas
                     stacked = stacked.astype(jax.numpy.dtype(dtype))
                 for i in range(stacked.shape[0]):
                     yield peft_key(name, i, leaf), np.ascontiguousarray(stacked[i].T)
+        for leaf, hf in (("kernel", "weight"), ("bias", "bias")):
+            if head is not None and leaf in head:
+                x = head[leaf].astype(jax.numpy.dtype(dtype)) if dtype is not None else head[leaf]
+                yield f"{_PREFIX}score.{hf}", np.ascontiguousarray(x.T)  # [1, D] (torch layout), [1]
 
     save_file(tensors(), os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG_NAME), "w") as f:
-        json.dump(adapter_config(spec, base_model=base_model), f, indent=2)
+        json.dump(adapter_config(spec, base_model=base_model, critic=head is not None), f, indent=2)
     return os.fspath(out_dir)
 
 

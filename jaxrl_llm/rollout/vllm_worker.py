@@ -9,6 +9,11 @@ update. Files are still the way in when an engine starts (vLLM needs a model dir
 directory (`models.write_hf_dir`) into its scratch dir and vLLM reads it back
 (`collective_rpc("reload_weights", weights_path=...)`).
 
+A LoRA run's engine (`enable_lora`) keeps the base it started from and takes each new adapter as a PEFT
+directory (`VllmActor.load_adapter`): vLLM reads it into its adapter cache, every later generate carries
+that `LoRARequest`, and the previous version leaves the cache (`remove_lora`). vLLM 0.32 loads adapters
+from a directory only (no in-memory tensor path), so the trainer writes a few MB of PEFT files a step.
+
 Three vLLM internals are reached through `VllmWorkerExtension`, which vLLM mixes into its worker
 class (`worker_extension_cls`):
 
@@ -106,6 +111,12 @@ class VllmWorkerExtension:
         self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
         return {"restore_s": t1 - t0, "reload_s": time.perf_counter() - t1}
 
+    def lora_modules(self) -> list[str]:
+        """The HF module names this engine's LoRA serves (fused layers expanded: qkv_proj -> q/k/v_proj)."""
+        manager = self.model_runner.lora_manager._adapter_manager
+        packed = manager.packed_modules_mapping
+        return sorted({n for m in manager.supported_lora_modules for n in packed.get(m, [m])})
+
     def set_logit_scale(self, scale: float) -> None:
         """Multiplies every next-token logit by `scale` (1 / temperature) before sampling."""
         proc = getattr(self._model(), "logits_processor", None)
@@ -155,11 +166,13 @@ class VllmActor:
       engine_kwargs: more `vllm.LLM` arguments (max_num_seqs, kv_cache_memory_bytes, ...).
       scratch_dir: where the actor writes HF directories (to start, and for `via_files` loads), each
         removed once vLLM has read it (default: the system temp dir).
+      adapter: (PEFT directory, version) to serve on top of the base from the start (LoRA runs; the
+        engine needs `enable_lora` in engine_kwargs).
     """
 
     def __init__(self, model_dir: str | None, weights_dir: str | None, step: int | None, *, dtype: str,
                  max_model_len: int, seed: int = 0, engine_kwargs: dict | None = None,
-                 scratch_dir: str | None = None):
+                 scratch_dir: str | None = None, adapter: tuple[str, int] | None = None):
         import vllm
 
         self._dtype = dtype
@@ -178,6 +191,9 @@ class VllmActor:
             if exported is not None:
                 shutil.rmtree(exported, ignore_errors=True)
         self._scale = 1.0
+        self._lora = None  # the LoRARequest every generate carries (LoRA runs)
+        if adapter is not None:
+            self.load_adapter(*adapter)
 
     def ready(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname()}
@@ -231,6 +247,30 @@ class VllmActor:
         timings["reload_s"] += time.perf_counter() - t0
         return timings
 
+    def load_adapter(self, path: str, version: int) -> dict:
+        """Serves the PEFT adapter directory `path` (weight `version`) from now on; the previous adapter
+        leaves vLLM's cache. Returns {"reload_s": vLLM reading the adapter into its cache}."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        lora_id = int(version) + 1  # vLLM's ids start at 1
+        if self._lora is not None and self._lora.lora_int_id != lora_id:
+            self.llm.llm_engine.remove_lora(self._lora.lora_int_id)
+        # load_inplace: a reused id (a step synced again after a resume) reads the new files, not its cached
+        # copy. The generate requests carry a plain one, so they never reload from disk.
+        self.llm.llm_engine.add_lora(LoRARequest(f"jaxrl_v{version}", lora_id, path, load_inplace=True))
+        request = LoRARequest(f"jaxrl_v{version}", lora_id, path)
+        self._lora = request
+        self.llm.reset_prefix_cache()  # cached prefixes hold keys/values computed with the old adapter
+        return {"reload_s": time.perf_counter() - t0}
+
+    def loaded_adapters(self) -> list[int]:
+        """The adapter ids in vLLM's cache (weight version + 1)."""
+        return sorted(self.llm.llm_engine.list_loras())
+
+    def lora_modules(self) -> list[str]:
+        return self.llm.collective_rpc("lora_modules")[0]
+
     def lm_head_error(self) -> float:
         return max(self.llm.collective_rpc("lm_head_error"))
 
@@ -264,7 +304,7 @@ class VllmActor:
             stop_token_ids=list(request["stop_token_ids"]), ignore_eos=bool(request["ignore_eos"]),
             seed=int(seed), logprobs=0, detokenize=False) for seed in request["seeds"]]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self._lora)
         result = []
         for out in outs:
             responses = []

@@ -132,6 +132,8 @@ class RolloutConfig:
     # Where the trainer writes the vLLM pool's weights each step: '' is <run_dir>/weights; a directory
     # such as /dev/shm (a RAM disk, one host) gets a subdirectory of this run, removed at the end.
     weights_dir: str = ""
+    # A LoRA run on the vLLM pool: False syncs the base once, then the adapters as vLLM LoRA requests; True: the merged
+    lora_merge: bool = False  # weights every step (a full sync, the fallback). The JAX engine merges at every sync.
     # Token budget of one micro-batch a device in the old/reference log-prob (and value) passes; None:
     # twice actor.ppo_max_token_len_per_gpu (a forward pass keeps no activations for a backward one).
     log_prob_max_token_len_per_gpu: int | None = None
@@ -403,8 +405,7 @@ class TrainerConfig:
     progress_bar: bool = True
 
     def validate(self):
-        _check(self.driver in ("ray", "inprocess"), "train.driver", f"{self.driver!r}; use 'ray' or "
-               "'inprocess'")
+        _check(self.driver in ("ray", "inprocess"), "train.driver", f"{self.driver!r}; use 'ray' or 'inprocess'")
         _check(self.num_processes >= 1, "train.num_processes", f"{self.num_processes}; need >= 1")
         _check(self.devices_per_process is None or self.devices_per_process >= 1, "train.devices_per_process",
                f"{self.devices_per_process}; need >= 1 (or None)")
@@ -436,8 +437,7 @@ class RunConfig:
             part.validate()
         self.overlong_buffer.validate(self.data.max_response_length)
         _check(self.actor.ppo_mini_batch_size <= self.data.train_batch_size, "actor.ppo_mini_batch_size",
-               f"{self.actor.ppo_mini_batch_size} is larger than data.train_batch_size "
-               f"{self.data.train_batch_size}")
+               f"{self.actor.ppo_mini_batch_size} is larger than data.train_batch_size {self.data.train_batch_size}")
         _check(self.data.train_batch_size % self.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
                f"{self.actor.ppo_mini_batch_size} does not divide data.train_batch_size "
                f"{self.data.train_batch_size}")

@@ -107,6 +107,9 @@ class RLTrainer:
             self._resume()
             self._save_tokenizer()
             self.use_pool = run.rollout.engine == "vllm"
+            # LoRA on the pool: the base once, then only the adapters (vLLM LoRA requests), unless rollout.lora_merge
+            self.lora = lora_spec(run)
+            self.sync_adapters = self.use_pool and self.lora is not None and not run.rollout.lora_merge
             self.pool = self._make_vllm_pool() if self.use_pool else None  # on process 0 only
         except BaseException:
             # Let Orbax's background threads finish before the caller may remove the run dir.
@@ -164,15 +167,24 @@ class RLTrainer:
         from jaxrl_llm.trainer.roles import init_ray
 
         self.weights_dir = self._weights_dir()
-        self.worker.call("save_weights", self.weights_dir, self.global_step)  # every process writes its shards
+        # Every process writes its shards. LoRA with adapter syncs: the frozen base, then this step's adapters
+        # (a killed run's newer adapters, left on disk, go first).
+        if self.sync_adapters and self.main:
+            shutil.rmtree(os.path.join(self.weights_dir, "adapters"), ignore_errors=True)
+        self.worker.call("save_weights", self.weights_dir, self.global_step, base=self.sync_adapters)
+        adapter = self.worker.call("save_adapters", self.weights_dir, self.global_step) if self.sync_adapters else None
         if not self.main:
             return None
         init_ray(self.run)
         d = self.run.data
-        return VllmPool(self.worker.call("model_config"), num_workers=self.run.rollout.vllm_workers,
+        lora = self.lora if self.sync_adapters else None
+        pool = VllmPool(self.worker.call("model_config"), num_workers=self.run.rollout.vllm_workers,
                         weights_dir=self.weights_dir, max_prompt_length=d.max_prompt_length,
                         max_model_len=d.max_prompt_length + d.max_response_length, dtype=self.run.model.dtype,
-                        seed=d.seed)
+                        seed=d.seed, lora_rank=lora.rank if lora else 0, lora_targets=lora.targets if lora else ())
+        if adapter is not None:
+            pool.update_adapter(adapter, step=self.global_step)
+        return pool
 
     def _weights_dir(self) -> str:
         """The pool's weights checkpoint dir: <run_dir>/weights, or this run's own subdirectory of
@@ -196,9 +208,15 @@ class RLTrainer:
         return self.worker.call("generate", ids, sampling)
 
     def sync_weights(self, version: int) -> None:
-        """New actor weights to the engine: in device memory (JAX), or via an Orbax checkpoint (vLLM)."""
+        """New actor weights to the engine: in device memory (JAX), or via an Orbax checkpoint (vLLM); a LoRA
+        run's pool gets the adapters alone, as a PEFT directory it serves as vLLM LoRA requests."""
         if not self.use_pool:
             self.worker.call("sync_rollout_weights", version)
+        elif self.sync_adapters:
+            adapter = self.worker.call("save_adapters", self.weights_dir, version)  # process 0 writes
+            if self.main:
+                self.pool.update_adapter(adapter, step=version)
+            distributed.barrier(f"weights_{version}")
         else:
             self.worker.call("save_weights", self.weights_dir, version)  # every process writes its shards
             if self.main:

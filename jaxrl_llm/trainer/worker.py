@@ -393,14 +393,24 @@ class TrainerWorker:
             self.engine.update_weights(self.actor.merged(), step=step)
             jax.block_until_ready(self.engine.params)
 
-    def save_weights(self, directory: str, step: int) -> str:
+    def save_weights(self, directory: str, step: int, *, base: bool = False) -> str:
         """Writes the actor params as a weights-only Orbax checkpoint (for a vLLM pool), in the compute
         dtype the pool runs in (bf16 by default: half the bytes of the fp32 master weights to write and to
         read back), cast on the devices in the params' own sharding. LoRA: the base with the adapters
-        merged in (a full sync each step; vLLM LoRA requests are not used yet)."""
+        merged in (rollout.lora_merge), or with `base` the frozen base alone (the adapters follow as PEFT
+        directories, `save_adapters`)."""
         from jaxrl_llm.weights_io import save_weights
 
-        return save_weights(directory, step, self.actor.merged(self.cfg.dtype), self.cfg)
+        params = self.actor.frozen if base and self.lora is not None else self.actor.merged(self.cfg.dtype)
+        return save_weights(directory, step, params, self.cfg)
+
+    def save_adapters(self, directory: str, step: int) -> str:
+        """Writes the actor's adapters, in the compute dtype, as the PEFT directory <directory>/adapters/<step>
+        (every process joins the gather, process 0 writes); returns its path."""
+        from jaxrl_llm.models.peft_io import save_peft
+
+        path = os.path.join(os.path.abspath(directory), "adapters", str(step))
+        return save_peft(self.actor.adapters(), self.lora, path, dtype=self.cfg.dtype)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def set_aside_checkpoints(self) -> list[str]:

@@ -103,3 +103,24 @@ def test_peft_loads_our_adapters_and_computes_our_logits(tmp_path, family, targe
 def test_bad_lora_settings_fail_with_one_error_naming_the_key(args, match):
     with pytest.raises(ConfigError, match=match):
         check_settings(*args)
+
+
+def test_a_critics_adapters_and_value_head_export_as_a_peft_token_classification_adapter(tmp_path):
+    """PEFT loads a LoRA critic's directory (TOKEN_CLS, the value head in modules_to_save) onto the family's
+    ForTokenClassification with no missing or unexpected keys, and computes our values."""
+    hf = make_hf_model(tmp_path / "base", critic=True)
+    cfg = DecoderConfig.from_hf(tmp_path / "base")
+    spec = LoraSpec(rank=4, alpha=8.0, targets=resolve_targets("all-linear"))
+    base = load_params(str(tmp_path / "base"), cfg, critic=True)
+    adapters = _random_adapters(cfg, spec)
+    head = jax.tree.map(lambda x: x + 0.5, base["score"])  # a trained head, unlike the base dir's
+    save_peft(adapters, spec, tmp_path / "adapter", base_model=str(tmp_path / "base"), head=head)
+
+    model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    expected = peft.utils.get_peft_model_state_dict(model)
+    assert sorted(expected) == sorted(SafetensorsFile(tmp_path / "adapter" / WEIGHTS_NAME).names())
+    gd, _ = graphdef_and_abstract_params(spec.apply(cfg), critic=True)
+    ours = np.asarray(nnx.merge(gd, combine(base, adapters, {"score": head}))(jnp.asarray(IDS)))  # [B, T]
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(IDS).long()).logits[..., 0].numpy()
+    np.testing.assert_allclose(theirs, ours.reshape(theirs.shape), atol=1e-5, rtol=0)

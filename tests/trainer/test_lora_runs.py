@@ -96,3 +96,29 @@ def test_kill_resume_export_and_start_from_the_adapter(tmp_path):
                                       run_dir=tmp_path / "again"))
     started = partition(_host(again.worker.obj.actor.state["params"]), is_adapter)[0]
     jax.tree.map(np.testing.assert_array_equal, started, _host(adapters))
+
+
+def test_a_lora_critic_exports_as_a_peft_adapter_with_its_head_or_merged(tmp_path):
+    """PPO with LoRA: `--critic` writes the critic's adapters and value head as a PEFT TOKEN_CLS directory, and
+    with `--merge` a full ForTokenClassification directory computing the critic's values."""
+    run_dir = tmp_path / "ppo"
+    trainer = RLTrainer(runs.run_config("train.driver='inprocess'", *LORA, "algorithm.adv_estimator='gae'",
+                                        "critic.lr=1e-3", "rollout.n=1", run_dir=run_dir))
+    try:
+        trainer.save_checkpoint()
+        trainer.worker.call("wait_checkpoint")
+    finally:
+        trainer.worker.call("close_checkpointer")
+    critic = trainer.worker.obj.critic
+    peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
+    assert export_main(["--checkpoint", str(run_dir), "--out", str(peft_dir), "--critic", "--dtype", "float32"]) == 0
+    conf = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert conf["task_type"] == "TOKEN_CLS" and conf["modules_to_save"] == ["score"] and conf["r"] == 4
+    assert export_main(["--checkpoint", str(run_dir), "--out", str(merged_dir), "--critic", "--merge",
+                        "--dtype", "float32"]) == 0
+    cfg = critic.cfg
+    ids = jnp.asarray(np.array([[2, 5, 3, 7, 9, 4]], np.int32))
+    base_gd, _ = graphdef_and_abstract_params(cfg, critic=True)
+    exported = nnx.merge(base_gd, load_params(str(merged_dir), cfg, critic=True))(ids)
+    ours = nnx.merge(critic.graphdef, critic.params())(ids)
+    np.testing.assert_allclose(np.asarray(exported), np.asarray(ours), atol=1e-5, rtol=0)
