@@ -81,11 +81,6 @@ def hf_config_dict(preset: str) -> dict:
     return cfg
 
 
-def emit(**row) -> None:
-    """One JSON row of a benchmark's output."""
-    print(json.dumps(row), flush=True)
-
-
 def dir_bytes(path: str) -> int:
     """Bytes of every file under `path`."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)

@@ -19,7 +19,6 @@ Qwen2.5-0.5B takes under a minute on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -35,13 +34,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-
-def emit(**row) -> None:
-    print(json.dumps(row), flush=True)
-
-
-def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+from scripts.bench_common import dir_bytes, emit  # noqa: E402
 
 
 def _greedy(actor, prompts):
@@ -83,7 +76,7 @@ def main() -> None:
             rows["save"].append(row)
             emit(**row)
         step = args.repeats
-        emit(what="checkpoint", step=step, bytes_on_disk=_dir_bytes(os.path.join(weights_dir, str(step))))
+        emit(what="checkpoint", step=step, bytes_on_disk=dir_bytes(os.path.join(weights_dir, str(step))))
         del params
 
         t0 = time.perf_counter()
