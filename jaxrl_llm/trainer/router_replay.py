@@ -77,19 +77,22 @@ def pack(routed: np.ndarray, placements, seq_lengths: np.ndarray, rows: int, len
     return out
 
 
-def unpack(packed: np.ndarray, seq_ids: np.ndarray, seq_start: np.ndarray, seq_lengths: np.ndarray,
-           out: np.ndarray) -> None:
-    """Writes a micro-batch's recorded routing back to sequence layout.
+def unpack(packed: np.ndarray, host: dict, seq_lengths: np.ndarray, out: dict) -> None:
+    """Writes a micro-batch's recorded routing back to sequence layout, into `out[FIELD]` (made on first
+    use, [R, max sequence length, L_moe, k] int16, -1 past each sequence).
 
     Args:
-      packed: [rows, L, L_moe, k] the experts the pass used; seq_ids, seq_start: [S] each slot's
-        sequence (-1: empty) and its first flat packed position; seq_lengths: [R]; out: [R, S_max, L_moe, k].
+      packed: [rows, L, L_moe, k] the experts the pass used; host: the micro-batch's `seq_ids` and
+        `seq_start` ([S] each slot's sequence, -1 if empty, and its first flat packed position);
+      seq_lengths: [R] prompt + response tokens.
     """
+    if FIELD not in out:
+        out[FIELD] = np.full((len(seq_lengths), int(seq_lengths.max())) + packed.shape[2:], -1, np.int16)
     flat = packed.reshape((-1,) + packed.shape[2:])
-    for i, start in zip(seq_ids, seq_start):
+    for i, start in zip(host["seq_ids"], host["seq_start"]):
         if i >= 0:
             n = int(seq_lengths[i])
-            out[i, :n] = flat[start:start + n]
+            out[FIELD][i, :n] = flat[start:start + n]
 
 
 def rollout_gap_metrics(old_log_prob: np.ndarray, rollout_log_probs: np.ndarray,

@@ -64,12 +64,12 @@ def token_logprobs(model, mb, *, temperature: float, chunk_size: int, with_entro
       when asked for, (`with_router_aux`, a MoE) the scalar "router_aux_loss" over the packed tokens, and
       (`with_routing`) "routing", the experts every packed token used [rows, L, L_moe, k] int16.
     """
-    outs = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"],
-                               with_router_stats=with_router_aux, routed_experts=mb.get("routed_experts"),
-                               with_routing=with_routing)
-    hidden, aux = (outs[0] if isinstance(outs, tuple) else outs), None  # [rows, L, D]
+    model_out = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"],
+                                    with_router_stats=with_router_aux, routed_experts=mb.get("routed_experts"),
+                                    with_routing=with_routing)
+    hidden, aux = (model_out[0] if isinstance(model_out, tuple) else model_out), None  # [rows, L, D]
     if with_router_aux:
-        aux = load_balancing_loss(outs[1])
+        aux = load_balancing_loss(model_out[1])
     outs = compute_token_logprobs(hidden, model.lm_head_weight(), mb["targets"], temperature=temperature,
                                   chunk_size=chunk_size, with_entropy=with_entropy,
                                   with_sum_pi_squared=with_sum_pi_squared)  # each [rows, L]
@@ -81,7 +81,7 @@ def token_logprobs(model, mb, *, temperature: float, chunk_size: int, with_entro
     if aux is not None:
         out["router_aux_loss"] = aux
     if with_routing:
-        out["routing"] = outs[-1].astype(jnp.int16)
+        out["routing"] = model_out[-1].astype(jnp.int16)
     return out
 
 

@@ -268,11 +268,8 @@ class TrainerWorker:
             for names, res in results:
                 res = distributed.fetch_tree(res)
                 for k, name in names.items():
-                    if name == router_replay.FIELD:  # packed -> sequence layout
-                        if name not in out:
-                            out[name] = np.full((len(batch), int(seq_lengths.max())) + res[k].shape[2:], -1,
-                                                np.int16)
-                        router_replay.unpack(res[k], seq_ids, host["seq_start"], seq_lengths, out[name])
+                    if name == router_replay.FIELD:  # R2's recorded routing: packed -> sequence layout
+                        router_replay.unpack(res[k], host, seq_lengths, out)
                         continue
                     if name not in out:
                         out[name] = np.zeros(batch.responses.shape, np.float32)
