@@ -13,21 +13,17 @@ from jaxrl_llm import sharding
 from jaxrl_llm.algorithms import logprobs_from_logits
 from jaxrl_llm.models import PRESETS, graphdef_and_abstract_params, init_params, split_model
 from jaxrl_llm.models.moe import route
-from jaxrl_llm.models.qwen2 import DecoderForCausalLM
-from jaxrl_llm.rollout import DenseJaxEngine, JaxEngine, SamplingParams
+from jaxrl_llm.rollout import JaxEngine, SamplingParams
 
 PROMPTS = [[5, 6, 8, 9, 10], [11, 12], [3, 4, 5, 6, 8, 9, 10, 11, 12, 13], [40, 41]]
 
 
-def _model(**kw):
-    # initializer_range 0.1: router logits of a few tenths, so some tokens sit near a routing tie.
-    cfg = PRESETS["tiny_moe"](dtype="float32", param_dtype="float32", initializer_range=0.1, **kw)
-    return DecoderForCausalLM(cfg, rngs=nnx.Rngs(0))
-
-
 @pytest.fixture(scope="module")
 def model():
-    return _model()
+    # initializer_range 0.1: router logits of a few tenths, so some tokens sit near a routing tie.
+    cfg = PRESETS["tiny_moe"](dtype="float32", param_dtype="float32", initializer_range=0.1)
+    graphdef, _ = graphdef_and_abstract_params(cfg)
+    return nnx.merge(graphdef, init_params(cfg, seed=0))
 
 
 def test_route_replays_the_given_experts_with_the_live_routers_weights():
@@ -69,16 +65,12 @@ def _trainer_forward(model, seqs, routed=None):
     return np.asarray(lp), np.asarray(routing)
 
 
-@pytest.mark.parametrize("engine", ["paged", "dense"])
-def test_the_samplers_record_the_routing_the_trainer_computes(model, engine):
+def test_the_sampler_records_the_routing_the_trainer_computes(model):
     """fp32 sampler and trainer: every fed token's experts, prompt (prefill) and response (decode), in
     the order the trainer's top-k gives them; -1 for the last token (never fed) and past each sequence.
-    The paged engine shares prompt pages between the n samples (the others copy the prompt's routing)."""
-    params = split_model(model)[1]
-    if engine == "paged":
-        eng = JaxEngine(model.cfg, params, dtype="float32", max_prompt_length=16, page_size=4)
-    else:
-        eng = DenseJaxEngine(model.cfg, params, dtype="float32", max_prompt_length=16, prompt_bucket=8, gen_bucket=8)
+    The paged engine shares prompt pages between the n samples (the others copy the prompt's routing).
+    (The dense engine records through a GRPO step in tests/trainer/test_moe_runs.py.)"""
+    eng = JaxEngine(model.cfg, split_model(model)[1], dtype="float32", max_prompt_length=16, page_size=4)
     out = eng.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=9, return_routed_experts=True, seed=1))
     assert out.routed_experts.shape == (8, 10 + out.tokens.shape[1], 2, 2)  # [R, P + T, L_moe, k]
     seqs = _sequences(out, PROMPTS)

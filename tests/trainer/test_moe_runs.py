@@ -50,21 +50,22 @@ def _check_step(m):
     assert m["actor/logprob_gap_mean"] < 1e-4 and m["training/rollout_probs_diff_max"] < 1e-4
 
 
-@pytest.mark.parametrize("engine,mode", [("paged", "R3"), ("dense", "R2")])
-def test_grpo_step_with_routing_replay(tmp_path, engine, mode):
-    """R3: the sampler's routing (the last response token never fed) reaches the update. R2: the
-    old-log-prob pass records every token's (the update has two mini-batches, so the pass runs)."""
-    _, m, batch = _one_step(tmp_path, f"rollout.kv_cache='{engine}'", f"actor.router_replay.mode='{mode}'")
+@pytest.mark.parametrize("engine", ["paged", "dense"])
+def test_grpo_step_with_rollout_routing_replay(tmp_path, engine):
+    """R3 with either JAX sampler: its routing (the last response token never fed) reaches the update,
+    whose log-probs then match the sampler's. (R2 runs with the vLLM pool below.)"""
+    _, m, batch = _one_step(tmp_path, f"rollout.kv_cache='{engine}'", "actor.router_replay.mode='R3'")
     _check_step(m)
-    _check_routing(batch, last_fed=mode == "R2")
+    _check_routing(batch, last_fed=False)
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM and os.environ.get("JAXRL_REQUIRE_VLLM") != "1", reason="vllm is not installed")
 def test_grpo_step_with_the_vllm_pool_and_its_moe_weight_updates(tmp_path):
-    """One GRPO step (R2) with the vLLM pool, which loads the updated MoE in place; then new random weights
-    through the pool's update: its greedy tokens equal the JAX engine's. (vLLM CPU prepacks the experts on
-    the first load only; without the pool's re-pack they diverge after an update.)"""
+    """One GRPO step with the vLLM pool and R2 (the old-log-prob pass records every token's experts: the
+    update has two mini-batches, so the pass runs); the pool loads the updated MoE in place. Then new
+    random weights through the pool's update: its greedy tokens equal the JAX engine's. (vLLM CPU
+    prepacks the experts on the first load only; without the pool's re-pack they diverge.)"""
     import ray
 
     # head_dim 32: vLLM's CPU attention needs >= 32.
