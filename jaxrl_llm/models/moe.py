@@ -13,6 +13,13 @@ Facts from transformers' Qwen3MoeSparseMoeBlock that parity depends on: router l
 output after its down projection. The load-balancing loss is Switch Transformer's, summed over
 all sparse layers' tokens as `load_balancing_loss_func` does (not a mean of per-layer losses).
 
+Routing replay (`actor.router_replay.mode` R2/R3, veRL's names): the layer can be handed the expert
+choices of another forward pass (the sampler's, or the old policy's) instead of taking its own top-k.
+Only the discrete choice is replayed. The weights are the current router's softmax probabilities at
+the replayed experts (renormalised under `norm_topk_prob`), so the router still gets gradients: what
+veRL (through Megatron's routing replay), ms-swift and arXiv 2507.18071 do. A token whose replayed ids
+hold a -1 (padding, or a position the recorder never ran, e.g. a response's last token) routes itself.
+
 Shapes: N tokens, D model, E experts, k experts per token, I expert width.
 """
 
@@ -27,17 +34,25 @@ from jaxrl_llm import sharding
 from kernels.grouped_matmul import grouped_matmul
 
 
-def route(x: jax.Array, router_w: jax.Array, *, top_k: int, norm_topk_prob: bool):
+def route(x: jax.Array, router_w: jax.Array, *, top_k: int, norm_topk_prob: bool,
+          replay: jax.Array | None = None):
     """The router: which k experts serve each token, and with what weight.
 
     Args:
       x: [N, D] compute dtype; router_w: [D, E].
+      replay: [N, k] int expert ids to use instead of the top-k (routing replay); a row holding a -1
+        takes its own top-k.
     Returns:
       logits [N, E] (x's dtype), weights [N, k] (x's dtype), experts [N, k] int32.
     """
     logits = jnp.dot(x, router_w.astype(x.dtype))
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
+    if replay is not None:
+        replay = replay.astype(jnp.int32)
+        given = jnp.all(replay >= 0, axis=-1, keepdims=True)  # [N, 1]
+        experts = jnp.where(given, replay, experts)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)  # the live router's probabilities
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return logits, weights.astype(x.dtype), experts.astype(jnp.int32)
@@ -133,17 +148,22 @@ def load_balancing_loss(stats: jax.Array) -> jax.Array:
 
 
 def moe_mlp(x: jax.Array, valid: jax.Array | None, router_w, gate_w, up_w, down_w, *, top_k: int,
-            norm_topk_prob: bool, expert_parallel: bool = False):
-    """The sparse MLP on [..., D] tokens -> ([..., D], router_stats [2, E + 1]); valid: [...] bool or None.
-    `expert_parallel`: split the experts over the mesh's expert axis (the trainer; the sampler keeps
-    its weights whole on that axis)."""
+            norm_topk_prob: bool, expert_parallel: bool = False, replay: jax.Array | None = None):
+    """The sparse MLP on [..., D] tokens -> ([..., D], router_stats [2, E + 1], experts [..., k] int32).
+
+    valid: [...] bool or None. `expert_parallel`: split the experts over the mesh's expert axis (the
+    trainer; the sampler keeps its weights whole on that axis). `replay`: [..., k] expert ids to use
+    (see `route`); the returned experts are the ones used, for recording.
+    """
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    logits, weights, experts = route(flat, router_w, top_k=top_k, norm_topk_prob=norm_topk_prob)
+    flat_replay = None if replay is None else replay.reshape(-1, top_k)
+    logits, weights, experts = route(flat, router_w, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                                     replay=flat_replay)
     experts_fn = expert_parallel_experts if expert_parallel else grouped_experts
     y = experts_fn(flat, weights, experts, gate_w, up_w, down_w)
     valid = jnp.ones(flat.shape[:1], bool) if valid is None else valid.reshape(-1)
-    return y.reshape(*lead, -1), router_stats(logits, experts, valid)
+    return y.reshape(*lead, -1), router_stats(logits, experts, valid), experts.reshape(*lead, top_k)
 
 
 class Router(nnx.Module):
@@ -166,7 +186,8 @@ class Experts(nnx.Module):
 
 
 class SparseMoeBlock(nnx.Module):
-    """Router plus experts; `__call__(x [B, T, D], valid [B, T]) -> ([B, T, D], router_stats)`."""
+    """Router plus experts: `__call__(x [B, T, D], valid [B, T], replay [B, T, k]) -> ([B, T, D],
+    router_stats, experts [B, T, k])`."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.gate = Router(cfg, rngs=rngs)
@@ -174,9 +195,9 @@ class SparseMoeBlock(nnx.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.dtype = jnp.dtype(cfg.dtype)
 
-    def __call__(self, x: jax.Array, valid: jax.Array | None = None):
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None, replay: jax.Array | None = None):
         ex = self.experts
-        y, stats = moe_mlp(x.astype(self.dtype), valid, self.gate.kernel[...], ex.gate_proj[...], ex.up_proj[...],
-                           ex.down_proj[...], top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
-                           expert_parallel=True)
-        return sharding.constrain(y, ("batch", "length", "act_embed")), stats
+        y, stats, experts = moe_mlp(x.astype(self.dtype), valid, self.gate.kernel[...], ex.gate_proj[...],
+                                    ex.up_proj[...], ex.down_proj[...], top_k=self.top_k,
+                                    norm_topk_prob=self.norm_topk_prob, expert_parallel=True, replay=replay)
+        return sharding.constrain(y, ("batch", "length", "act_embed")), stats, experts

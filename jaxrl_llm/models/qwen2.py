@@ -224,16 +224,22 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
         self.mlp = SparseMoeBlock(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, cos, sin, *, mask, lengths, valid=None):
-        """x: [B, T, D] -> (x [B, T, D], router stats of a sparse layer or None); self-attention over the
-        same T tokens. `valid` [B, T] marks the tokens the router stats count (None: all)."""
+    def __call__(self, x, cos, sin, *, mask, lengths, valid=None, replay=None):
+        """x: [B, T, D] -> (x [B, T, D], a sparse layer's (router stats, experts [B, T, k]) or None);
+        self-attention over the same T tokens. `valid` [B, T] marks the tokens the router stats count
+        (None: all); `replay` [B, T, k] are expert ids to replay (`moe.route`)."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         out = dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=self.self_attn.impl)
         x = x + self.self_attn.output(out)
         y = self.post_attention_layernorm(x)
-        y, stats = self.mlp(y, valid) if isinstance(self.mlp, SparseMoeBlock) else (self.mlp(y), None)
+        aux = None
+        if isinstance(self.mlp, SparseMoeBlock):
+            y, stats, experts = self.mlp(y, valid, replay)
+            aux = (stats, experts)
+        else:
+            y = self.mlp(y)
         x = sharding.constrain(x + y, ("batch", "length", "act_embed"))
-        return x, stats
+        return x, aux
 
 
 def _dots_and_attention_saveable(prim, *args, **params) -> bool:
@@ -276,9 +282,14 @@ class DecoderModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg=cfg)
 
     def __call__(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None, lengths=None,
-                 with_router_stats: bool = False):
-        """Final hidden states [B, T, D] in the compute dtype (with `with_router_stats`: and the MoE
-        router's load-balancing sums over every sparse layer, [2, E + 1], see `moe.router_stats`).
+                 with_router_stats: bool = False, routed_experts=None, with_routing: bool = False):
+        """Final hidden states [B, T, D] in the compute dtype; then, each when asked for, the MoE
+        router's load-balancing sums over every sparse layer ([2, E + 1], `moe.router_stats`) and the
+        experts each token was routed to in each sparse layer ([B, T, L_moe, k] int32, the layers in
+        the order of `cfg.layer_stacks["layers"]`).
+
+        `routed_experts` [B, T, L_moe, k] int replays recorded routing (R2/R3, see `moe.route`; -1 rows
+        route themselves).
 
         Args:
           input_ids: [B, T] int.
@@ -309,24 +320,31 @@ class DecoderModel(nnx.Module):
         x = self.embed_tokens(input_ids)  # [B, T, D]
         x = sharding.constrain(x, ("batch", "length", "act_embed"))
 
-        stats = None
+        stats, routing = None, []
+        replay = None if routed_experts is None else jnp.moveaxis(routed_experts, 2, 0)  # [L_moe, B, T, k]
         for name, start, stop in cfg.layer_runs:  # one run for every family but a mixed MoE
             graphdef, layer_state = nnx.split(getattr(self, name))
             if (start, stop) != (0, len(cfg.layer_stacks[name])):
                 layer_state = jax.tree.map(lambda a, s=start, e=stop: a[s:e], layer_state)
+            run_replay = replay[start:stop] if replay is not None and name == "layers" and cfg.is_moe else None
 
-            def body(h, state, graphdef=graphdef):
-                layer = nnx.merge(graphdef, state)
-                return layer(h, cos, sin, mask=mask, lengths=lengths, valid=valid)
+            def body(h, xs, graphdef=graphdef):
+                layer = nnx.merge(graphdef, xs[0])
+                return layer(h, cos, sin, mask=mask, lengths=lengths, valid=valid, replay=xs[1])
 
             if cfg.remat != "none":
                 body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-            x, run_stats = jax.lax.scan(body, x, layer_state)
-            if run_stats is not None:
+            x, aux = jax.lax.scan(body, x, (layer_state, run_replay))
+            if aux is not None:
+                run_stats, run_experts = aux
                 run_stats = jnp.sum(run_stats, axis=0)
                 stats = run_stats if stats is None else stats + run_stats
+                routing.append(run_experts)  # [run, B, T, k]
         x = self.norm(x)
-        return (x, stats) if with_router_stats else x
+        out = (x,) + ((stats,) if with_router_stats else ())
+        if with_routing:
+            out += (jnp.moveaxis(jnp.concatenate(routing), 0, 2) if routing else None,)
+        return out if len(out) > 1 else x
 
 
 class DecoderForCausalLM(nnx.Module):
@@ -353,9 +371,11 @@ class DecoderForCausalLM(nnx.Module):
         return jnp.dot(hidden, self.lm_head_weight(), preferred_element_type=jnp.float32)
 
     def hidden_states(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None,
-                      lengths=None, with_router_stats: bool = False) -> jax.Array:
+                      lengths=None, with_router_stats: bool = False, routed_experts=None,
+                      with_routing: bool = False) -> jax.Array:
         return self.model(input_ids, positions, attention_mask, segment_ids=segment_ids, lengths=lengths,
-                          with_router_stats=with_router_stats)
+                          with_router_stats=with_router_stats, routed_experts=routed_experts,
+                          with_routing=with_routing)
 
     def logits_and_router_aux_loss(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None,
                         lengths=None) -> tuple[jax.Array, jax.Array]:

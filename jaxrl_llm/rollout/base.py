@@ -36,6 +36,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     ignore_eos: bool = False
+    # MoE: return each token's experts per sparse layer (`RolloutBatch.routed_experts`), for routing
+    # replay R3 (vLLM's `enable_return_routed_experts`); the JAX engines only.
+    return_routed_experts: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -71,6 +74,11 @@ class RolloutBatch:
     lengths: np.ndarray  # [R] int32
     finish_reasons: list[str]
     weight_version: int = 0
+    # With `SamplingParams.return_routed_experts` on a MoE: [R, P + T, L_moe, k] int32, the experts each
+    # token of row r's sequence (its prompt, then its response, from index 0) was routed to in each
+    # sparse layer, -1 past the sequence and for the last response token (never fed to the model). P is
+    # the longest prompt.
+    routed_experts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)

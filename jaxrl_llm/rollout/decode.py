@@ -51,6 +51,8 @@ class DecodeSpec:
     attention: str = "xla"  # decode attention: "xla" (reads every cache slot) or "pallas" (valid slots only)
     moe_top_k: int = 0  # Qwen3-MoE: experts per token in the sparse layers
     norm_topk_prob: bool = False
+    num_moe_layers: int = 0  # Qwen3-MoE: how many layers are sparse
+    record_routing: bool = False  # return each fed token's experts per sparse layer (routing replay R3)
 
     def inv_freq(self) -> jax.Array:
         """RoPE inverse frequencies [H/2], from the function the trainer's model uses too."""
@@ -96,7 +98,7 @@ ENGINE_LAYER_AXES = {
 
 def _layer(lp: dict, x, cos, sin, attend, spec: DecodeSpec):
     """The decoder layer on fused weights (any family: the optional weights in `lp` switch its parts).
-    x [B, T, D] -> (x, aux of `attend`)."""
+    x [B, T, D] -> (x, aux of `attend`, a sparse layer's experts [B, T, k] int32 or None)."""
     b, t, _ = x.shape
     n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
     y = rms_norm(x, lp["ln1"], spec.rms_norm_eps)
@@ -112,12 +114,18 @@ def _layer(lp: dict, x, cos, sin, attend, spec: DecodeSpec):
     x = x + jnp.dot(out.reshape(b, t, n * h), lp["o_w"])
     y = rms_norm(x, lp["ln2"], spec.rms_norm_eps)
     if "router_w" in lp:  # a sparse layer: grouped matmuls over the routed experts (models/moe.py)
-        y, _ = moe_mlp(y, None, lp["router_w"], lp["expert_gate_w"], lp["expert_up_w"], lp["expert_down_w"],
-                       top_k=spec.moe_top_k, norm_topk_prob=spec.norm_topk_prob)
-        return x + y, aux
+        y, _, experts = moe_mlp(y, None, lp["router_w"], lp["expert_gate_w"], lp["expert_up_w"],
+                                lp["expert_down_w"], top_k=spec.moe_top_k, norm_topk_prob=spec.norm_topk_prob)
+        return x + y, aux, experts
     gate, up = jnp.split(jnp.dot(y, lp["gate_up_w"]), 2, axis=-1)  # [B, T, F] each
     x = x + jnp.dot(jax.nn.silu(gate) * up, lp["down_w"])
-    return x, aux
+    return x, aux, None
+
+
+def stack_routing(experts: list) -> jax.Array | None:
+    """The sparse layers' experts [B, T, k] each (None entries are dense layers) -> [B, T, L_moe, k]."""
+    experts = [e for e in experts if e is not None]
+    return jnp.stack(experts, axis=2) if experts else None
 
 
 def _final_logits(eparams, h, spec: DecodeSpec):
@@ -145,7 +153,8 @@ def prefill_into(eparams, caches, ids, mask, row0, prompt_slots, *, spec: Decode
       ids: [B, Ps] left-padded prompt ids; mask: [B, Ps] 1 for real tokens.
       row0, prompt_slots: int32 scalars (P = prompt_slots >= Ps).
     Returns:
-      caches, and logits of each prompt's last token [B, V] fp32.
+      caches, logits of each prompt's last token [B, V] fp32, and (`spec.record_routing`) the prompt
+      tokens' experts [B, Ps, L_moe, k] int32 (else None).
     """
     b, ps = ids.shape
     positions = jnp.clip(jnp.cumsum(mask, axis=1) - 1, 0)
@@ -154,7 +163,7 @@ def prefill_into(eparams, caches, ids, mask, row0, prompt_slots, *, spec: Decode
     attn_mask = segment_mask(mask, mask, idx, idx)
     x = jnp.take(eparams["embed"], ids, axis=0)
     at = (row0, 0, prompt_slots - ps, 0)
-    new = []
+    new, experts = [], []
     for lp, (kc, vc) in zip(eparams["layers"], caches):
 
         def attend(q, k, v, kc=kc, vc=vc):
@@ -163,9 +172,11 @@ def prefill_into(eparams, caches, ids, mask, row0, prompt_slots, *, spec: Decode
             v = jnp.repeat(v.transpose(0, 2, 1, 3), n, axis=0).astype(vc.dtype)
             return out, (jax.lax.dynamic_update_slice(kc, k, at), jax.lax.dynamic_update_slice(vc, v, at))
 
-        x, kv = _layer(lp, x, cos, sin, attend, spec)
+        x, kv, ex = _layer(lp, x, cos, sin, attend, spec)
         new.append(kv)
-    return new, _final_logits(eparams, x[:, -1], spec)
+        experts.append(ex)
+    routing = stack_routing(experts) if spec.record_routing else None
+    return new, _final_logits(eparams, x[:, -1], spec), routing
 
 
 def _decode_attention(q, kc, vc, valid):
@@ -237,9 +248,12 @@ def first_token(logits, key, prompt_lens, row_max, row_ids, *, spec: DecodeSpec,
     tokens = jnp.full((r, spec.max_new_tokens), spec.pad_id, jnp.int32).at[:, 0].set(tok)
     logps = jnp.zeros((r, spec.max_new_tokens), jnp.float32).at[:, 0].set(logp)
     done = _is_stop(tok, spec.stop_ids) | (row_max <= 1)
-    return dict(tokens=tokens, logps=logps, done=done, lengths=jnp.ones((r,), jnp.int32),
-                t=jnp.asarray(1, jnp.int32), row_keys=row_keys, prompt_lens=jnp.repeat(prompt_lens, n),
-                row_max=row_max)
+    state = dict(tokens=tokens, logps=logps, done=done, lengths=jnp.ones((r,), jnp.int32),
+                 t=jnp.asarray(1, jnp.int32), row_keys=row_keys, prompt_lens=jnp.repeat(prompt_lens, n),
+                 row_max=row_max)
+    if spec.record_routing:  # the experts of response token t, recorded by the step that feeds it
+        state["routing"] = jnp.full((r, spec.max_new_tokens, spec.num_moe_layers, spec.moe_top_k), -1, jnp.int32)
+    return state
 
 
 def decode_segment(eparams, state, caches, prompt_start, prompt_slots, t_end, *, spec: DecodeSpec):
@@ -272,7 +286,7 @@ def decode_segment(eparams, state, caches, prompt_start, prompt_slots, t_end, *,
         # The kernel reads [start, end) alone; finished rows read nothing (their outputs are discarded).
         ends = jnp.where(st["done"], prompt_start, slot + 1)  # [R]
         x = jnp.take(eparams["embed"], tok_in[:, None], axis=0)  # [R, 1, D]
-        new_cs = []
+        new_cs, experts = [], []
         for lp, (kc, vc) in zip(eparams["layers"], cs):
 
             def attend(q, k, v, kc=kc, vc=vc):
@@ -283,8 +297,9 @@ def decode_segment(eparams, state, caches, prompt_start, prompt_slots, t_end, *,
                     return _pallas_decode_attention(q, kc, vc, prompt_start, ends), (kc, vc)
                 return _decode_attention(q, kc, vc, valid), (kc, vc)
 
-            x, kv = _layer(lp, x, cos, sin, attend, spec)
+            x, kv, ex = _layer(lp, x, cos, sin, attend, spec)
             new_cs.append(kv)
+            experts.append(ex)
         logits = _final_logits(eparams, x[:, 0], spec)  # [R, V]
         tok = _sample(logits, st["row_keys"], t, spec)
         logp = token_logprobs(logits, tok, temperature=spec.temperature)
@@ -295,6 +310,9 @@ def decode_segment(eparams, state, caches, prompt_start, prompt_slots, t_end, *,
         st = dict(st, t=t + 1, done=done, lengths=st["lengths"] + (~was_done).astype(jnp.int32),
                   tokens=jax.lax.dynamic_update_index_in_dim(st["tokens"], tok, t, axis=1),
                   logps=jax.lax.dynamic_update_index_in_dim(st["logps"], logp, t, axis=1))
+        if spec.record_routing:  # token t - 1 was fed: its experts [R, L_moe, k]
+            fed = jnp.where(was_done[:, None, None], -1, stack_routing(experts)[:, 0])
+            st["routing"] = jax.lax.dynamic_update_index_in_dim(st["routing"], fed, t - 1, axis=1)
         return st, new_cs
 
     return jax.lax.while_loop(cond, body, (state, list(caches)))

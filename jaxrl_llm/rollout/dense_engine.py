@@ -134,11 +134,20 @@ class DenseJaxEngine(EngineWeights):
         row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, spec.max_new_tokens)
         key = jax.random.key(sampling.seed)
         self.last_trace = []
+        longest = max(len(p) for p in prompts)
+        routed = (np.full((len(prompts) * n, longest + spec.max_new_tokens, spec.num_moe_layers, spec.moe_top_k),
+                          -1, np.int32) if spec.record_routing else None)
         for start in range(0, len(order), per_chunk):
             chunk = order[start:start + per_chunk]
             rows = (np.asarray(chunk)[:, None] * n + np.arange(n)[None, :]).reshape(-1)
             out = self._generate_chunk([prompts[i] for i in chunk], spec, n, key, row_max[rows], rows)
-            tokens[rows], logps[rows], lengths[rows] = out
+            tokens[rows], logps[rows], lengths[rows] = out[:3]
+            if routed is not None:  # sequence layout: the prompt's tokens, then the response's
+                prompt_routes, resp_routes = out[3]
+                for j, r in enumerate(rows):
+                    lp = len(prompts[chunk[j // n]])
+                    routed[r, :lp] = prompt_routes[j // n]
+                    routed[r, lp:lp + spec.max_new_tokens] = resp_routes[j]
         width = int(lengths.max())
         tokens, logps = tokens[:, :width], logps[:, :width]
         stop_set = set(spec.stop_ids)
@@ -146,10 +155,13 @@ class DenseJaxEngine(EngineWeights):
         reasons = ["stop" if int(tok) in stop_set else "length" for tok in last]
         return RolloutBatch(prompt_index=np.repeat(np.arange(len(prompts)), n), tokens=tokens,
                             logprobs=logps, lengths=lengths, finish_reasons=reasons,
-                            weight_version=self.version)
+                            weight_version=self.version,
+                            routed_experts=None if routed is None else routed[:, :longest + width])
 
     def _generate_chunk(self, prompts, spec, n, key, row_max, row_ids):
-        """Prompts sorted longest first -> (tokens, logps, lengths) of their len(prompts) * n rows."""
+        """Prompts sorted longest first -> (tokens, logps, lengths) of their len(prompts) * n rows; with
+        `spec.record_routing`, and (each prompt's routing [len, L_moe, k], each row's response routing
+        [max_new_tokens, L_moe, k])."""
         b = len(prompts)
         bp = _round_up(_next_pow2(b), self._dp) if b > 1 else self._dp
         # Filler rows keep the batch bucketed; they copy the shortest prompt and are dropped below.
@@ -169,7 +181,7 @@ class DenseJaxEngine(EngineWeights):
         with self._mesh_ctx():
             capacity = self._capacity(slots, cap)
             caches = self._alloc(rows=bp * n, capacity=capacity, spec=spec)
-            logits = []
+            logits, prompt_routes = [], []
             for s0 in range(0, bp, sub):
                 group = rows[s0:s0 + sub]
                 ps = _round_up(max(len(x) for x in group), self.prompt_bucket)
@@ -178,9 +190,12 @@ class DenseJaxEngine(EngineWeights):
                 for i, src in enumerate(group):
                     ids[i, ps - len(src):] = src
                     mask[i, ps - len(src):] = 1
-                caches, lg = self._prefill(self.params, caches, self._put(ids), self._put(mask), np.int32(s0 * n),
-                                           np.int32(slots), spec=spec, n=n)
+                caches, lg, routes = self._prefill(self.params, caches, self._put(ids), self._put(mask),
+                                                   np.int32(s0 * n), np.int32(slots), spec=spec, n=n)
                 logits.append(lg)
+                if routes is not None:  # [B, Ps, L_moe, k] of the left-padded prompts
+                    routes = distributed.fetch_tree(routes)
+                    prompt_routes += [routes[i, ps - len(src):] for i, src in enumerate(group)]
             logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
             state = self._first(logits, key, self._put(lens), self._put(rmax), self._put(ids_all), spec=spec, n=n)
             start = self._put(start)
@@ -191,11 +206,15 @@ class DenseJaxEngine(EngineWeights):
             tokens = np.full((bp * n, spec.max_new_tokens), spec.pad_id, np.int32)
             logps = np.zeros((bp * n, spec.max_new_tokens), np.float32)
             lengths = np.zeros(bp * n, np.int32)
+            routes = (np.full((bp * n, spec.max_new_tokens, spec.num_moe_layers, spec.moe_top_k), -1, np.int32)
+                      if spec.record_routing else None)
 
             def collect():
                 tok, lp, ln = distributed.fetch_tree((state["tokens"], state["logps"], state["lengths"]))
                 keep = index >= 0
                 tokens[index[keep]], logps[index[keep]], lengths[index[keep]] = tok[keep], lp[keep], ln[keep]
+                if routes is not None:
+                    routes[index[keep]] = distributed.fetch_tree(state["routing"])[keep]
 
             t = 1
             while True:
@@ -228,7 +247,8 @@ class DenseJaxEngine(EngineWeights):
                     caches = self._grow(caches, capacity)
                     clock.mark(caches, phase="grow", rows=int(done.shape[0]))
             collect()
-        return tokens[: b * n], logps[: b * n], lengths[: b * n]
+        out = tokens[: b * n], logps[: b * n], lengths[: b * n]
+        return out + ((prompt_routes[:b], routes[: b * n]),) if routes is not None else out
 
     def _capacity(self, slots: int, gen: int) -> int:
         """Cache slots for `slots` prompt slots and `gen` generated tokens, on a ladder of `gen_bucket`

@@ -40,6 +40,7 @@ from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets
 from jaxrl_llm.rollout.page_pool import KvBudget, PagePool, kv_bytes_per_token, pages_for, size_pool
 from jaxrl_llm.rollout.programs import Programs, default_dir
+from jaxrl_llm.rollout.routing import record_routes, routed_experts_of_rows
 from jaxrl_llm.rollout.scheduler import MIN_SLOTS, PrefillTask, Row, Scheduler, slot_bucket
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,9 @@ class JaxEngine(EngineWeights):
         row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, spec.max_new_tokens)
         rows = [Row(rid=i * n + j, prompt=i, ids=list(map(int, prompts[i])), max_tokens=int(row_max[i * n + j]))
                 for i in range(len(prompts)) for j in range(n)]
+        if spec.record_routing:
+            for r in rows:
+                r.routes = np.full((len(r.ids) + r.max_tokens, spec.num_moe_layers, spec.moe_top_k), -1, np.int32)
         longest_row = max(rows, key=lambda r: len(r.ids) + r.max_tokens)
         longest = len(longest_row.ids) + longest_row.max_tokens - 1  # positions a row writes at most
         width = _pow2(pages_for(longest, self.page_size))
@@ -292,7 +296,8 @@ class JaxEngine(EngineWeights):
         stop_set = set(spec.stop_ids)
         reasons = ["stop" if r.tokens[-1] in stop_set else "length" for r in rows]
         return RolloutBatch(prompt_index=np.repeat(np.arange(num_prompts), n), tokens=tokens, logprobs=logps,
-                            lengths=lengths, finish_reasons=reasons, weight_version=self.version)
+                            lengths=lengths, finish_reasons=reasons, weight_version=self.version,
+                            routed_experts=routed_experts_of_rows(rows, width) if spec.record_routing else None)
 
     def _local(self, pool: PagePool, page: int) -> int:
         return page - pool.shard_of(page) * pool.per_shard
@@ -355,7 +360,14 @@ class JaxEngine(EngineWeights):
             start[i], lens[i] = a, e - a
         args = (self.params, self._pool, self._put(ids), self._put(tables), self._put(start), self._put(lens),
                 self._put(np.zeros(b, np.int32)))
-        self._pool = self._program("_prefill", *args, spec=spec)(*args)
+        self._pool, routes = self._program("_prefill", *args, spec=spec)(*args)
+        if routes is not None:  # [b, length, L_moe, k]
+            routes = distributed.fetch_tree(routes)
+            fill = [0] * self._dp
+            for task, a, e in take:
+                i = task.row.shard * b_local + fill[task.row.shard]
+                fill[task.row.shard] += 1
+                record_routes(task.row, a, routes[i, : e - a])
         return rest
 
     def _run_copies(self, copies: list[tuple[int, int]], pool: PagePool) -> None:
@@ -391,6 +403,9 @@ class JaxEngine(EngineWeights):
         self._pool, out = self._program("_decode", *args, spec=spec)(*args)
         out = distributed.fetch_tree(out)
         idx = [i for i, r in enumerate(slots) if r is not None]
+        if "routing" in out:  # step j fed position pos + j
+            for i in idx:
+                record_routes(slots[i], int(pos[i]), out["routing"][i, : int(out["count"][i])])
         finished = ~out["active"][idx]
         sched.commit(live, out["tokens"][idx], out["logps"][idx], out["count"][idx], finished)
         stats["segments"] += 1

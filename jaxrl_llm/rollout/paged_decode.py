@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as Pspec
 from jaxrl_llm import sharding
 from jaxrl_llm.models.qwen2 import _MASK_VALUE
 from jaxrl_llm.models.rope import rope_cos_sin
-from jaxrl_llm.rollout.decode import DecodeSpec, _final_logits, _is_stop, _layer
+from jaxrl_llm.rollout.decode import DecodeSpec, _final_logits, _is_stop, _layer, stack_routing
 from jaxrl_llm.rollout.sampling import sample_next, token_logprobs
 
 # [K, P, ps, H]: kv heads over "tensor", pages over the data-parallel axes (each shard owns a page range;
@@ -118,7 +118,7 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, *, spec: D
       ids: [B, L] int32; tables: [B, Wc] int32 covering positions < start + length.
       start, length, scratch: [B] int32 (scratch: the page that padding tokens write into).
     Returns:
-      the pool.
+      the pool, and (`spec.record_routing`) the chunk tokens' experts [B, L, L_moe, k] int32 (else None).
     """
     b, length_ = ids.shape
     ps = pool[0][0].shape[2]
@@ -133,7 +133,7 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, *, spec: D
     mask = (key_pos[None, None, :] <= positions[:, :, None]) & real[:, :, None]  # [B, L, Wc ps]
     cos, sin = rope_cos_sin(positions, spec.inv_freq())
     x = jnp.take(eparams["embed"], ids, axis=0)
-    new = []
+    new, experts = [], []
     for lp, (kp, vp) in zip(eparams["layers"], pool):
 
         def attend(q, k, v, kp=kp, vp=vp):
@@ -146,9 +146,10 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, *, spec: D
                                      ("heads", "pool", "pool"))
             return out, (kp, vp)
 
-        x, kv = _layer(lp, x, cos, sin, attend, spec)
+        x, kv, ex = _layer(lp, x, cos, sin, attend, spec)
         new.append(kv)
-    return new
+        experts.append(ex)
+    return new, (stack_routing(experts) if spec.record_routing else None)
 
 
 def _sample_rows(logits, row_keys, t, spec: DecodeSpec):
@@ -171,7 +172,8 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
       rids: [S] int32 response ids (seed each row's stream); scratch: [S] int32 the slot's scratch page;
       key: the request's PRNG key; seg_len, stop_free: int32 scalars (seg_len <= max_seg).
     Returns:
-      (pool, out) with out = dict(tokens [S, max_seg], logps [S, max_seg], count [S], active [S], steps).
+      (pool, out) with out = dict(tokens [S, max_seg], logps [S, max_seg], count [S], active [S], steps),
+      and (`spec.record_routing`) routing [S, max_seg, L_moe, k]: step j's fed token's experts.
     """
     s = tables.shape[0]
     ps = pool[0][0].shape[2]
@@ -195,7 +197,7 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
         lengths = jnp.where(act, p + 1, 0)
         mask = (key_pos[None, None, :] <= p[:, None, None]) & act[:, None, None]  # [S, 1, W ps]
         x = jnp.take(eparams["embed"], st["last"][:, None], axis=0)  # [S, 1, D]
-        new = []
+        new, experts = [], []
         for lp, (kp, vp) in zip(eparams["layers"], pl):
 
             def attend(q, k, v, kp=kp, vp=vp):
@@ -212,8 +214,9 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
                                           "rows"), ("heads", "pool", "pool"))
                 return out, (kp, vp)
 
-            x, kv = _layer(lp, x, cos, sin, attend, spec)
+            x, kv, ex = _layer(lp, x, cos, sin, attend, spec)
             new.append(kv)
+            experts.append(ex)
         logits = _final_logits(eparams, x[:, 0], spec)  # [S, V]
         tok = _sample_rows(logits, row_keys, st["t"], spec)
         logp = token_logprobs(logits, tok, temperature=spec.temperature)
@@ -225,11 +228,18 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
                   last=jnp.where(act, tok, st["last"]), count=st["count"] + inc,
                   tokens=jax.lax.dynamic_update_index_in_dim(st["tokens"], tok, st["step"], axis=1),
                   logps=jax.lax.dynamic_update_index_in_dim(st["logps"], logp, st["step"], axis=1))
+        if spec.record_routing:
+            st["routing"] = jax.lax.dynamic_update_index_in_dim(
+                c[0]["routing"], stack_routing(experts)[:, 0], c[0]["step"], axis=1)
         return st, new
 
     st = dict(step=jnp.asarray(0, jnp.int32), active=active, pos=pos, t=t, last=last,
               count=jnp.zeros((s,), jnp.int32), tokens=jnp.full((s, max_seg), spec.pad_id, jnp.int32),
               logps=jnp.zeros((s, max_seg), jnp.float32))
+    if spec.record_routing:
+        st["routing"] = jnp.full((s, max_seg, spec.num_moe_layers, spec.moe_top_k), -1, jnp.int32)
     st, pool = jax.lax.while_loop(cond, body, (st, list(pool)))
-    return pool, dict(tokens=st["tokens"], logps=st["logps"], count=st["count"], active=st["active"],
-                      steps=st["step"])
+    out = dict(tokens=st["tokens"], logps=st["logps"], count=st["count"], active=st["active"], steps=st["step"])
+    if spec.record_routing:
+        out["routing"] = st["routing"]
+    return pool, out

@@ -49,6 +49,8 @@ class Row:
     pages: list[int] = dataclasses.field(default_factory=list)
     admitted: int = -1  # admission order (preemption takes the newest)
     preemptions: int = 0
+    # Routing replay R3: [positions, L_moe, k] experts of each context position the engine ran (-1: not yet)
+    routes: np.ndarray | None = None
 
     @property
     def context_len(self) -> int:

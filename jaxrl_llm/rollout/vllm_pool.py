@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.models.errors import ConfigError
-from jaxrl_llm.rollout.base import RolloutBatch, SamplingParams, check_prompts
+from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams, check_prompts
 from jaxrl_llm.rollout.vllm_worker import DEFAULT_ENV, VllmActor
 
 log = logging.getLogger(__name__)
@@ -343,6 +343,10 @@ class VllmPool:
         """
         if not self._actors:
             raise RuntimeError("this VllmPool was shut down")
+        if sampling.return_routed_experts:
+            raise RolloutError("the vLLM pool does not return the experts each token was routed to "
+                               "(SamplingParams.return_routed_experts); routing replay R3 "
+                               "(actor.router_replay.mode = 'R3') needs the JAX engine (rollout.engine = 'jax')")
         prompts = [[int(t) for t in p] for p in prompts]
         check_prompts(prompts, self.max_prompt_length, self.cfg.vocab_size, sampling, self.max_model_len)
         n = sampling.n

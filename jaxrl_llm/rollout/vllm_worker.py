@@ -139,6 +139,28 @@ class VllmWorkerExtension:
         head.quant_method.process_weights_after_loading(head)
         return True
 
+    def repack_moe_experts(self) -> int:
+        """Re-packs the experts of every MoE layer on vLLM CPU; returns how many layers it re-packed.
+
+        vLLM CPU prepacks each FusedMoE layer's w13 / w2 into its grouped-GEMM layout when the model is
+        first loaded (`CPUUnquantizedExperts.process_weights_after_loading`). An in-place reload copies the
+        new weights, in checkpoint layout, into the prepacked tensors and skips that step (vLLM runs it on
+        the first load only), so every expert computes with scrambled weights until it is packed again.
+        Elsewhere (CUDA's fused MoE kernels read the plain layout) there is nothing to do.
+        """
+        try:
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        except ImportError:  # a vLLM build without the CPU experts
+            return 0
+        count = 0
+        for module in self._model().modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if isinstance(experts, CPUUnquantizedExperts):
+                experts.process_weights_after_loading(module)
+                count += 1
+        return count
+
     def lm_head_error(self, seed: int = 0) -> float:
         """max |head(x) - x @ W^T| on random x: > 0 when the packed head no longer matches W."""
         import torch
@@ -242,6 +264,7 @@ class VllmActor:
         t0 = time.perf_counter()
         if repack:
             self.llm.collective_rpc("repack_tied_lm_head")
+            self.llm.collective_rpc("repack_moe_experts")
         # Cached prefixes hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()
         timings["reload_s"] += time.perf_counter() - t0

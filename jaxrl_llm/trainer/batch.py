@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxrl_llm.trainer import router_replay
+
 
 @dataclasses.dataclass(frozen=True)
 class PackShape:
@@ -137,7 +139,9 @@ def build_micro_batch(batch: TrainBatch, placements: list[tuple[int, int, int]],
     Returns:
       input_ids, positions, segment_ids, targets: [rows, L] int32 (packed layout);
       resp_pos: [S, Tr] int32; response_mask: [S, Tr] float32; responses: [S, Tr] int32;
-      each requested field: [S, Tr] or [S] (response layout); seq_ids: [S] int32, -1 for empty slots.
+      each requested field: [S, Tr] or [S] (response layout); seq_ids: [S] int32, -1 for empty slots;
+      seq_start: [S] int32, each slot's first flat packed position; and, when the batch carries MoE
+      routing (`router_replay.FIELD`), routed_experts: [rows, L, L_moe, k] (packed layout).
     """
     rows, length, s_max, tr = shape.rows, shape.length, shape.max_seqs, shape.resp_len
     ids = np.full((rows, length), pad_id, np.int32)
@@ -146,6 +150,7 @@ def build_micro_batch(batch: TrainBatch, placements: list[tuple[int, int, int]],
     targets = np.zeros((rows, length), np.int32)
     resp_pos = np.zeros((s_max, tr), np.int32)
     seq_ids = np.full((s_max,), -1, np.int32)
+    seq_start = np.zeros((s_max,), np.int32)
     seg_count = np.zeros(rows, np.int32)
     for slot, (i, row, off) in enumerate(placements):
         prompt = batch.prompt_ids[i]
@@ -160,14 +165,18 @@ def build_micro_batch(batch: TrainBatch, placements: list[tuple[int, int, int]],
         targets[row, off:off + n - 1] = seq[1:]
         resp_pos[slot, :lr] = row * length + off + lp - 1 + np.arange(lr)
         seq_ids[slot] = i
+        seq_start[slot] = row * length + off
     used = seq_ids >= 0
     sel = np.where(used, seq_ids, 0)
     keep = lambda x: np.where(used.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0).astype(x.dtype)  # empty slots: 0
     out = {"input_ids": ids, "positions": positions, "segment_ids": segments, "targets": targets,
-           "resp_pos": resp_pos, "seq_ids": seq_ids, "response_mask": keep(batch.response_mask[sel]),
-           "responses": keep(batch.responses[sel])}
+           "resp_pos": resp_pos, "seq_ids": seq_ids, "seq_start": seq_start,
+           "response_mask": keep(batch.response_mask[sel]), "responses": keep(batch.responses[sel])}
     for name in fields:
         out[name] = keep(batch.fields[name][sel])
+    if router_replay.FIELD in batch.fields:
+        out[router_replay.FIELD] = router_replay.pack(batch.fields[router_replay.FIELD], placements,
+                                                      batch.prompt_lengths + batch.response_lengths, rows, length)
     return out
 
 

@@ -10,21 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
-import typing
 
 import gin
 
 from jaxrl_llm.algorithms.rollout_correction import RolloutCorrectionConfig
-
-
-class ConfigValueError(ValueError):
-    """A config value that cannot work; the message names the gin binding to change."""
-
-
-def _check(cond: bool, binding: str, msg: str) -> None:
-    if not cond:
-        raise ConfigValueError(f"{binding}: {msg}")
+from jaxrl_llm.trainer.config_check import ConfigValueError, check_types
+from jaxrl_llm.trainer.config_check import check as _check
+from jaxrl_llm.trainer.router_replay import RouterReplaySettings
 
 
 @gin.configurable("model")
@@ -430,12 +422,14 @@ class RunConfig:
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     filter_groups: FilterGroupsSettings = FilterGroupsSettings()
     overlong_buffer: OverlongBufferSettings = OverlongBufferSettings()
+    router_replay: RouterReplaySettings = RouterReplaySettings()
 
     def validate(self) -> RunConfig:
         for part in (self.model, self.data, self.rollout, self.actor, self.algo, self.reward, self.trainer,
                      self.policy_loss, self.rollout_correction):
             part.validate()
         self.overlong_buffer.validate(self.data.max_response_length)
+        self.router_replay.validate(self.rollout.engine)
         _check(self.actor.ppo_mini_batch_size <= self.data.train_batch_size, "actor.ppo_mini_batch_size",
                f"{self.actor.ppo_mini_batch_size} is larger than data.train_batch_size {self.data.train_batch_size}")
         _check(self.data.train_batch_size % self.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
@@ -462,39 +456,16 @@ class RunConfig:
         return -(-total // 128) * 128
 
 
-def _type_ok(value, hint) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (types.UnionType, typing.Union):
-        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is tuple or origin is tuple:
-        return isinstance(value, tuple | list)  # gin writes lists for tuple fields too
-    return isinstance(value, origin or hint)
-
-
-def _check_types(part, name: str) -> None:
-    """A bound value of the wrong type fails here, naming its binding, not later inside a comparison."""
-    hints = typing.get_type_hints(type(part))
-    for field in dataclasses.fields(part):
-        value = getattr(part, field.name)
-        _check(_type_ok(value, hints[field.name]), f"{name}.{field.name}",
-               f"{value!r} is a {type(value).__name__}; expected {field.type}")
-
-
 def build_run_config() -> RunConfig:
     """Builds every part from its gin bindings (`actor.lr = 1e-6`, ...) and validates the whole."""
     parts = dict(model=ModelConfig(), data=DataConfig(), rollout=RolloutConfig(), actor=ActorConfig(),
                  critic=CriticConfig(), algo=AlgoConfig(), reward=RewardConfig(), trainer=TrainerConfig(),
                  policy_loss=PolicyLossSettings(), rollout_correction=RolloutCorrectionSettings(),
-                 filter_groups=FilterGroupsSettings(), overlong_buffer=OverlongBufferSettings())
+                 filter_groups=FilterGroupsSettings(), overlong_buffer=OverlongBufferSettings(),
+                 router_replay=RouterReplaySettings())
     gin_names = dict(algo="algorithm", trainer="train", policy_loss="actor.policy_loss",
                      rollout_correction="algorithm.rollout_correction", filter_groups="algorithm.filter_groups",
-                     overlong_buffer="reward.reward_kwargs.overlong_buffer_cfg")
+                     overlong_buffer="reward.reward_kwargs.overlong_buffer_cfg", router_replay="actor.router_replay")
     for key, part in parts.items():
-        _check_types(part, gin_names.get(key, key))
+        check_types(part, gin_names.get(key, key))
     return RunConfig(**parts).validate()

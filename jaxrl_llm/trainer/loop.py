@@ -32,6 +32,7 @@ from jaxrl_llm.checkpoint import resolve_resume
 from jaxrl_llm.rewards import CustomRewardFunction, RewardManager, apply_overlong_penalty, overlong_metrics
 from jaxrl_llm.rollout import RolloutBatch, SamplingParams
 from jaxrl_llm.trainer import metrics as M
+from jaxrl_llm.trainer import router_replay
 from jaxrl_llm.trainer.batch import TrainBatch
 from jaxrl_llm.trainer.config import RunConfig
 from jaxrl_llm.trainer.data_setup import build_datasets, load_tokenizer
@@ -45,8 +46,10 @@ from jaxrl_llm.trainer.validation import ValidationResults
 log = logging.getLogger(__name__)
 
 
-def build_train_batch(prompts: list[dict], rollout: RolloutBatch, max_response_length: int) -> TrainBatch:
-    """Response-layout arrays of a rollout: responses [R, Tr], mask, group ids, sampler logprobs."""
+def build_train_batch(prompts: list[dict], rollout: RolloutBatch, max_response_length: int,
+                      max_prompt_length: int = 0) -> TrainBatch:
+    """Response-layout arrays of a rollout: responses [R, Tr], mask, group ids, sampler logprobs; and the
+    sampler's MoE routing when it returned it (routing replay R3), [R, max_prompt_length + Tr, L_moe, k]."""
     r = len(rollout)
     tr = max_response_length
     lengths = np.minimum(rollout.lengths, tr)
@@ -59,8 +62,12 @@ def build_train_batch(prompts: list[dict], rollout: RolloutBatch, max_response_l
     responses *= mask.astype(np.int32)
     logps *= mask
     prompt_ids = [np.asarray(prompts[i]["prompt_ids"], np.int32) for i in rollout.prompt_index]
+    fields = {"rollout_log_probs": logps}
+    if rollout.routed_experts is not None:
+        width = max(max_prompt_length, max(len(p) for p in prompt_ids)) + tr
+        fields[router_replay.FIELD] = router_replay.to_train_layout(rollout.routed_experts, width)
     return TrainBatch(prompt_ids=prompt_ids, responses=responses, response_mask=mask,
-                      group_ids=rollout.prompt_index.astype(np.int32), fields={"rollout_log_probs": logps})
+                      group_ids=rollout.prompt_index.astype(np.int32), fields=fields)
 
 
 @dataclasses.dataclass
@@ -231,14 +238,16 @@ class RLTrainer:
             return SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p, top_k=r.val_top_k,
                                   max_new_tokens=d.max_response_length, seed=d.seed)
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=d.max_response_length, seed=draw_seed(d.seed, step, draw))
+                              max_new_tokens=d.max_response_length, seed=draw_seed(d.seed, step, draw),
+                              return_routed_experts=self.run.router_replay.mode == "R3")
 
     def rollout(self, prompts: list[dict], step: int, draw: int, timer) -> Rollout:
         """Samples `n` responses a prompt; for REMAX also one greedy response a prompt (`timing_s/gen_max`)."""
         max_len = self.run.data.max_response_length
         with timer("gen"):
             sampled = self.generate(prompts, self.sampling(step, draw=draw))
-        out = Rollout(build_train_batch(prompts, sampled, max_len), [prompts[i] for i in sampled.prompt_index])
+        out = Rollout(build_train_batch(prompts, sampled, max_len, self.run.data.max_prompt_length),
+                      [prompts[i] for i in sampled.prompt_index])
         if self.run.algo.adv_estimator == "remax":
             with timer("gen_max"):
                 greedy = self.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_len,
@@ -353,6 +362,9 @@ class RLTrainer:
             tls[np.arange(len(batch)), last] = scored.scores
             batch.fields["token_level_scores"] = tls
             batch.fields.update(out)  # every array of the passes: old/ref log-probs, values, entropy, ...
+            if "old_log_prob" in out:  # the sampler–trainer gap (what MoE routing replay shrinks)
+                metrics.update(router_replay.rollout_gap_metrics(out["old_log_prob"], batch.fields["rollout_log_probs"],
+                                                                 batch.response_mask))
             with timer("adv"):
                 kl_coef = self.kl_ctrl.value if self.kl_ctrl is not None else 0.0
                 adv = worker.call("compute_advantages", batch, kl_coef)

@@ -52,19 +52,24 @@ def gather_response(packed: jax.Array, resp_pos: jax.Array) -> jax.Array:
 
 
 def token_logprobs(model, mb, *, temperature: float, chunk_size: int, with_entropy: bool = False,
-                   with_sum_pi_squared: bool = False, with_router_aux: bool = False) -> dict[str, jax.Array]:
+                   with_sum_pi_squared: bool = False, with_router_aux: bool = False,
+                   with_routing: bool = False) -> dict[str, jax.Array]:
     """Per-token outputs of every response token under `model`, never forming [N, V] logits.
+
+    A MoE replays the routing in `mb["routed_experts"]` ([rows, L, L_moe, k], routing replay) when the
+    micro-batch carries it.
 
     Returns:
       {"log_prob": [S, Tr]} float32, plus "entropy" and "sum_pi_squared" (Σ_v π(v)², forward only) [S, Tr]
-      when asked for, and (`with_router_aux`, a MoE) the scalar "router_aux_loss" over the packed tokens.
+      when asked for, (`with_router_aux`, a MoE) the scalar "router_aux_loss" over the packed tokens, and
+      (`with_routing`) "routing", the experts every packed token used [rows, L, L_moe, k] int16.
     """
-    hidden = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"],
-                                 with_router_stats=with_router_aux)  # [rows, L, D]
-    aux = None
+    model_out = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"],
+                                    with_router_stats=with_router_aux, routed_experts=mb.get("routed_experts"),
+                                    with_routing=with_routing)
+    hidden, aux = (model_out[0] if isinstance(model_out, tuple) else model_out), None  # [rows, L, D]
     if with_router_aux:
-        hidden, stats = hidden
-        aux = load_balancing_loss(stats)
+        aux = load_balancing_loss(model_out[1])
     outs = compute_token_logprobs(hidden, model.lm_head_weight(), mb["targets"], temperature=temperature,
                                   chunk_size=chunk_size, with_entropy=with_entropy,
                                   with_sum_pi_squared=with_sum_pi_squared)  # each [rows, L]
@@ -75,6 +80,8 @@ def token_logprobs(model, mb, *, temperature: float, chunk_size: int, with_entro
         out["sum_pi_squared"] = gather_response(outs[-1], mb["resp_pos"])
     if aux is not None:
         out["router_aux_loss"] = aux
+    if with_routing:
+        out["routing"] = model_out[-1].astype(jnp.int16)
     return out
 
 
@@ -85,13 +92,15 @@ def values(critic, mb) -> jax.Array:
 
 
 def make_logprob_fn(graphdef, *, temperature: float, chunk_size: int, with_entropy: bool = False,
-                    with_sum_pi_squared: bool = False):
-    """(params, mb) -> {"log_prob": [S, Tr], "entropy": [S, Tr]?, "sum_pi_squared": [S, Tr]?} for the
-    old/ref log-prob passes (Σ_v π(v)², forward only, for the optimal-token-baseline estimators)."""
+                    with_sum_pi_squared: bool = False, with_routing: bool = False):
+    """(params, mb) -> {"log_prob": [S, Tr], "entropy": [S, Tr]?, "sum_pi_squared": [S, Tr]?, "routing"?} for
+    the old/ref log-prob passes (Σ_v π(v)², forward only, for the optimal-token-baseline estimators; the
+    packed routing for routing replay R2)."""
 
     def fn(params, mb):
         return token_logprobs(nnx.merge(graphdef, params), mb, temperature=temperature, chunk_size=chunk_size,
-                              with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared)
+                              with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared,
+                              with_routing=with_routing)
 
     return jax.jit(fn)
 

@@ -22,7 +22,7 @@ from jaxrl_llm.algorithms import (
 )
 from jaxrl_llm.models import Qwen2Config
 from jaxrl_llm.rollout import RolloutBatch, SamplingParams, make_jax_engine
-from jaxrl_llm.trainer import steps
+from jaxrl_llm.trainer import router_replay, steps
 from jaxrl_llm.trainer.algo_setup import (
     adv_inputs,
     make_adv_fn,
@@ -50,7 +50,7 @@ from jaxrl_llm.trainer.optim import make_optimizer
 
 log = logging.getLogger(__name__)
 
-HOST_ONLY = ("seq_ids",)
+HOST_ONLY = ("seq_ids", "seq_start")
 
 
 class TrainerWorker:
@@ -65,6 +65,7 @@ class TrainerWorker:
         if model_cfg is None and run.model.remat == "auto":
             self.cfg = self.cfg.replace(remat=self._auto_remat())
         self.lora = lora_spec(run)
+        run.router_replay.check_model(self.cfg)
         params = load_actor_params(run, self.cfg, self.mesh, self.lora)
 
         n_mini = run.data.train_batch_size // run.actor.ppo_mini_batch_size
@@ -158,8 +159,11 @@ class TrainerWorker:
         self.bypass = self.rc is not None and self.rc.bypass_mode
         # The optimal-token-baseline estimators need Σ_v π(v)² of the old policy from its log-prob pass.
         self.with_sum_pi_squared = "sum_pi_squared" in self.estimator.inputs
+        # Routing replay R2: the old-log-prob pass records the routing the update passes replay.
+        self.record_routing = run.router_replay.mode == "R2"
         self.logprob_fn = steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk, with_entropy=True,
-                                                with_sum_pi_squared=self.with_sum_pi_squared)
+                                                with_sum_pi_squared=self.with_sum_pi_squared,
+                                                with_routing=self.record_routing)
         # Log-probs alone: the reference's program (the base model under LoRA) and the current policy's.
         self.ref_logprob_fn = steps.make_logprob_fn(self.actor.base_graphdef, temperature=temp, chunk_size=chunk)
         self.plain_logprob_fn = (self.ref_logprob_fn if self.lora is None else
@@ -215,7 +219,7 @@ class TrainerWorker:
         for placements in plan_micro_batches(lengths, pack):
             shape = tail_shape(placements, pack, self.dp, self.run.actor.tail_shapes)
             mb = build_micro_batch(batch, placements, shape, fields=fields, pad_id=self.cfg.pad_token_id or 0)
-            yield mb["seq_ids"], self._put(mb)
+            yield {k: mb[k] for k in HOST_ONLY}, self._put(mb)
 
     # ---- forward passes: old and reference log-probs, values ------------------------------------
     def start_forward_passes(self, batch: TrainBatch, *, old: bool = False, ref: bool = False,
@@ -231,6 +235,8 @@ class TrainerWorker:
             names = {"log_prob": "old_log_prob", "entropy": "entropy"}
             if self.with_sum_pi_squared:
                 names["sum_pi_squared"] = "sum_pi_squared"
+            if self.record_routing:
+                names["routing"] = router_replay.FIELD
             passes.append((self.logprob_fn, self.actor.params(), names))
         if ref:
             passes.append((self.ref_logprob_fn, self._ref_on_device(), {"log_prob": "ref_log_prob"}))
@@ -240,8 +246,8 @@ class TrainerWorker:
         with jax.set_mesh(self.mesh):
             # Dispatch every micro-batch before fetching any result, so the host packs the next
             # micro-batch while the device computes.
-            for seq_ids, mb in self._micro_batches(batch, (), self.fwd_pack):
-                pending.append((seq_ids, [(names, fn(params, mb)) for fn, params, names in passes]))
+            for host, mb in self._micro_batches(batch, (), self.fwd_pack):
+                pending.append((host, [(names, fn(params, mb)) for fn, params, names in passes]))
         self._pending = (batch, pending)
 
     def forward_passes_ready(self) -> bool:
@@ -255,16 +261,22 @@ class TrainerWorker:
         batch, pending = self._pending
         self._pending = None
         out: dict[str, np.ndarray] = {}
-        for seq_ids, results in pending:
+        seq_lengths = batch.prompt_lengths + batch.response_lengths
+        for host, results in pending:
+            seq_ids = host["seq_ids"]
             used = seq_ids >= 0
             for names, res in results:
                 res = distributed.fetch_tree(res)
                 for k, name in names.items():
+                    if name == router_replay.FIELD:  # R2's recorded routing: packed -> sequence layout
+                        router_replay.unpack(res[k], host, seq_lengths, out)
+                        continue
                     if name not in out:
                         out[name] = np.zeros(batch.responses.shape, np.float32)
                     out[name][seq_ids[used]] = res[k][used]
         for k in out:
-            out[k] *= batch.response_mask
+            if k != router_replay.FIELD:
+                out[k] *= batch.response_mask
         return out
 
     def _forward(self, batch: TrainBatch, **passes) -> dict[str, np.ndarray]:
@@ -362,7 +374,8 @@ class TrainerWorker:
         """clip_cov / kl_cov: the mini-batch's selected tokens, from the current policy's log-probs (one
         forward pass over the mini-batch), so every micro-batch applies the mini-batch's selection."""
         logp = np.zeros(sub.responses.shape, np.float32)
-        for seq_ids, mb in self._micro_batches(sub, (), self.fwd_pack):
+        for host, mb in self._micro_batches(sub, (), self.fwd_pack):
+            seq_ids = host["seq_ids"]
             used = seq_ids >= 0
             # Log-probs alone (no entropy or Σπ²), with the current params.
             logp[seq_ids[used]] = distributed.fetch(self.plain_logprob_fn(params, mb)["log_prob"])[used]

@@ -257,7 +257,9 @@ def test_prefill_chunk_and_decode_segment_equal_the_dense_engine(unbounded, dens
         ids[i, : len(p) - 1] = p[:-1]
     pool = paged_decode.alloc_pool(num_pages, ps, spec, jnp.float32)
     prefill = jax.jit(paged_decode.prefill_chunk, static_argnames="spec")
-    pool = prefill(unbounded.params, pool, ids, tables, np.zeros(6, np.int32), ctx, np.zeros(6, np.int32), spec=spec)
+    pool, routes = prefill(unbounded.params, pool, ids, tables, np.zeros(6, np.int32), ctx, np.zeros(6, np.int32),
+                           spec=spec)
+    assert routes is None  # a dense model records no routing
     decode = jax.jit(paged_decode.decode_segment, static_argnames=("spec", "max_seg"))
     last = np.asarray([p[-1] for p in PROMPTS] + [0, 0], np.int32)
     active = np.arange(6) < 4
