@@ -32,7 +32,7 @@ from jaxrl_llm import distributed
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.rollout import decode
 from jaxrl_llm.rollout.base import RolloutBatch, SamplingParams
-from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets
+from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets, row_streams
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +118,13 @@ class DenseJaxEngine(EngineWeights):
         return decode.compact(state, caches, start, sel, filler, capacity, shards=sel.shape[0])
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-                 max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
+                 max_new_tokens_per_row: Sequence[int] | None = None,
+                 seeds: Sequence[int] | None = None) -> RolloutBatch:
         """Samples `sampling.n` responses for every prompt (prompt-major order in the result).
 
         `max_new_tokens_per_row` optionally caps each response row (len(prompts) * n values, each
-        <= sampling.max_new_tokens), like per-request budgets in vLLM.
+        <= sampling.max_new_tokens), like per-request budgets in vLLM. `seeds` optionally names each
+        row's random stream (len(prompts) * n ints in [0, 2**31); default: the row's index).
         """
         spec = self._request_spec(prompts, sampling)
         n = sampling.n
@@ -132,12 +134,13 @@ class DenseJaxEngine(EngineWeights):
         logps = np.zeros(tokens.shape, np.float32)
         lengths = np.zeros(len(prompts) * n, np.int32)
         row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, spec.max_new_tokens)
+        streams = row_streams(seeds, len(prompts) * n)
         key = jax.random.key(sampling.seed)
         self.last_trace = []
         for start in range(0, len(order), per_chunk):
             chunk = order[start:start + per_chunk]
             rows = (np.asarray(chunk)[:, None] * n + np.arange(n)[None, :]).reshape(-1)
-            out = self._generate_chunk([prompts[i] for i in chunk], spec, n, key, row_max[rows], rows)
+            out = self._generate_chunk([prompts[i] for i in chunk], spec, n, key, row_max[rows], streams[rows])
             tokens[rows], logps[rows], lengths[rows] = out
         width = int(lengths.max())
         tokens, logps = tokens[:, :width], logps[:, :width]

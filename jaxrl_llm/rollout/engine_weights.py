@@ -149,6 +149,23 @@ def row_budgets(max_new_tokens_per_row, rows: int, max_new_tokens: int) -> np.nd
     return out
 
 
+def row_streams(seeds, rows: int) -> np.ndarray:
+    """[rows] int32 ids of each response row's random stream: row r draws token t from
+    fold_in(fold_in(key(sampling.seed), streams[r]), t). The default is the row's index in the request;
+    a caller that samples the same logical row in several calls (the agent loop's turns) passes its own,
+    so a row's draws do not depend on which other rows share the call."""
+    from jaxrl_llm.rollout.base import RolloutError
+
+    if seeds is None:
+        return np.arange(rows, dtype=np.int32)
+    out = np.asarray(seeds, np.int64)
+    if out.shape != (rows,):
+        raise RolloutError(f"seeds has {out.size} values; need len(prompts) * n = {rows}")
+    if out.size and (out.min() < 0 or out.max() >= 2**31):
+        raise RolloutError("seeds must be in [0, 2**31): each one seeds a row's stream through fold_in")
+    return out.astype(np.int32)
+
+
 def layer_slots(cfg: Qwen2Config) -> list[tuple[str, int]]:
     """(stack, index in the stack) of each decoder layer in execution order (see `cfg.layer_stacks`)."""
     where = {i: (stack, j) for stack, ids in cfg.layer_stacks.items() for j, i in enumerate(ids)}
