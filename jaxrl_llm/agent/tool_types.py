@@ -122,6 +122,9 @@ class BaseTool:
     def release(self, instance_id: str, **kwargs) -> None:
         return None
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
 
 class FunctionTool(BaseTool):
     """A typed Python function as a tool. It keeps no state; its return value becomes the tool text
@@ -138,9 +141,6 @@ class FunctionTool(BaseTool):
         if isinstance(result, ToolResult):
             return result.text, result.reward, {}
         return (result if isinstance(result, str) else _to_text(result)), 0.0, {}
-
-    def __repr__(self) -> str:
-        return f"FunctionTool({self.name!r})"
 
 
 def _to_text(value: Any) -> str:
