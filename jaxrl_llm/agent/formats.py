@@ -68,7 +68,7 @@ def _call_from_json(raw: str, args_keys: tuple[str, ...], example: str) -> ToolC
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as e:
             return ToolCallError(f"the \"{key}\" of the call to {name!r} is a string that is not valid JSON "
-                                 f"({e.msg}); give a JSON object", raw)
+                                 f"({e.msg}); give a JSON object: {example}", raw)
     if not isinstance(arguments, dict):
         return ToolCallError(f"the \"{key}\" of the call to {name!r} must be a JSON object of named "
                              f"arguments, got {type(arguments).__name__}; write it as {example}", raw)

@@ -17,7 +17,8 @@ The launcher
   3. when run as root, drops to the user `nobody` if that user can start the interpreter;
   4. sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0 and, where it binds,
      RLIMIT_NPROC;
-  5. execs the program (in the PID namespace, from a forked child that is the namespace's PID 1).
+  5. execs the program (in a PID namespace, as PID 2: PID 1 is a forked launcher that only reaps, since
+     the kernel spares PID 1 the signals it has no handler for, SIGXCPU among them).
 It reports what it managed on a pipe; `SandboxResult.network_isolated`, `.pid_namespace` and
 `.isolation_note` say what the run had.
 
@@ -90,16 +91,21 @@ def run():
         os._exit(126)
 if not got & NEWPID:
     run()
-pid = os.fork()
-if pid == 0:
-    run()
-while True:
-    try:
-        _, status = os.waitpid(pid, 0)
-        break
-    except InterruptedError:
-        continue
-report(returncode=os.waitstatus_to_exitcode(status))
+if os.fork() == 0:
+    # PID 1 of the namespace: the kernel spares it signals it has no handler for (SIGXCPU, SIGTERM),
+    # so the program runs as PID 2 and this process only reaps, and reports the program's status.
+    program = os.fork()
+    if program == 0:
+        run()
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            os._exit(0)
+        if pid == program:
+            report(returncode=os.waitstatus_to_exitcode(status))
+            os._exit(0)
+os.wait()
 os._exit(0)
 """
 

@@ -3,9 +3,11 @@ arguments before the tool runs.
 
 The schema has the shape `tokenizer.apply_chat_template(..., tools=[...])` and veRL's tool YAML use:
 `{"type": "function", "function": {"name", "description", "parameters": {"type": "object",
-"properties": {...}, "required": [...]}}}`. Types follow `transformers.utils.get_json_schema`
-(`Optional[X]` is X with `"nullable": true`, `Literal[...]` an `"enum"`), so a function tool renders in
-a chat template the same way it does in TRL.
+"properties": {...}, "required": [...]}}}`. `Optional[X]` is X with `"nullable": true`, `Literal[...]`
+an `"enum"`, and a return annotation adds `"return"`.
+
+The output equals `transformers.utils.get_json_schema` for the types both support (a test checks
+it), so a function tool renders the same tokens here as in TRL.
 
 `check_arguments` is a small JSON-schema subset (type, enum, items, required, nullable): enough to tell
 the model which argument is wrong, in words it can act on, instead of a Python traceback.
@@ -41,9 +43,8 @@ def type_to_schema(hint: Any, where: str) -> dict:
         return {} if kind is None else {"type": kind}
     if origin is Literal:
         kinds = {_SCALARS.get(type(a)) for a in args}
-        schema: dict = {"enum": list(args)}
-        if len(kinds) == 1 and None not in kinds:
-            schema["type"] = kinds.pop()
+        schema: dict = {"type": kinds.pop()} if len(kinds) == 1 and None not in kinds else {}
+        schema["enum"] = list(args)
         return schema
     if origin in (Union, types.UnionType):
         members = [a for a in args if a is not type(None)]
@@ -66,16 +67,17 @@ def type_to_schema(hint: Any, where: str) -> dict:
                           "list[...], dict, Optional[...] or Literal[...]")
 
 
-def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
-    """(description, {argument: description}) from a Google-style docstring.
+def parse_docstring(doc: str | None) -> tuple[str, dict[str, str], str]:
+    """(description, {argument: description}, returns) from a Google-style docstring.
 
-    The description is the text before the first section; argument lines under `Args:` are
-    `name: text` or `name (type): text`, and indented lines below one continue it.
+    The description is the text before the first section (paragraphs kept); argument lines under
+    `Args:` are `name: text` or `name (type): text`, and indented lines below one continue it.
     """
     if not doc:
-        return "", {}
+        return "", {}, ""
     lines = inspect.cleandoc(doc).splitlines()
     description: list[str] = []
+    returns: list[str] = []
     arg_docs: dict[str, str] = {}
     section = None
     current = None
@@ -88,6 +90,8 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
             continue
         if section is None:
             description.append(line)
+        elif section == "Returns":
+            returns.append(line.strip())
         elif section in ("Args", "Arguments", "Parameters") and line.strip():
             indent = len(line) - len(line.lstrip())
             match = _ARG_LINE_RE.match(line)
@@ -97,7 +101,7 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
                 arg_docs[current] = match.group(2).strip()
             elif current is not None:
                 arg_docs[current] = f"{arg_docs[current]} {line.strip()}".strip()
-    return " ".join(" ".join(description).split()), arg_docs
+    return "\n".join(description).strip(), arg_docs, " ".join(r for r in returns if r)
 
 
 def function_schema(fn: Callable, name: str | None = None) -> dict:
@@ -113,7 +117,7 @@ def function_schema(fn: Callable, name: str | None = None) -> dict:
         hints = typing.get_type_hints(fn)
     except Exception as e:  # a forward reference that does not resolve, ...
         raise ToolSchemaError(f"tool {tool_name!r}: cannot resolve its type hints ({e})") from None
-    description, arg_docs = parse_docstring(inspect.getdoc(fn))
+    description, arg_docs, returns_doc = parse_docstring(inspect.getdoc(fn))
     properties: dict[str, dict] = {}
     required: list[str] = []
     for pname, param in inspect.signature(fn).parameters.items():
@@ -132,8 +136,12 @@ def function_schema(fn: Callable, name: str | None = None) -> dict:
     parameters: dict = {"type": "object", "properties": properties}
     if required:
         parameters["required"] = required
-    return {"type": "function",
-            "function": {"name": tool_name, "description": description or tool_name, "parameters": parameters}}
+    function = {"name": tool_name, "description": description or tool_name, "parameters": parameters}
+    if "return" in hints:  # as transformers.utils.get_json_schema, so the tool renders the same tokens
+        function["return"] = type_to_schema(hints["return"], f"tool {tool_name!r} return value")
+        if returns_doc:
+            function["return"]["description"] = returns_doc
+    return {"type": "function", "function": function}
 
 
 def _type_ok(kind: str, value: Any) -> bool:
@@ -146,8 +154,8 @@ def _type_ok(kind: str, value: Any) -> bool:
 
 
 def _check_value(schema: dict, value: Any, where: str) -> tuple[Any, str | None]:
-    """(value, None) if `value` fits `schema` (an integral float becomes an int for "integer"), else
-    (value, message)."""
+    """(value, None) if `value` fits `schema`, else (value, message). Lossless fixes are made: an
+    integral float becomes an int for "integer", a number becomes a string for "string"."""
     if value is None and schema.get("nullable"):
         return value, None
     if "anyOf" in schema:
@@ -164,6 +172,8 @@ def _check_value(schema: dict, value: Any, where: str) -> tuple[Any, str | None]
     kinds = [kinds] if isinstance(kinds, str) else list(kinds)
     if "integer" in kinds and isinstance(value, float) and value.is_integer():
         value = int(value)
+    if kinds == ["string"] and isinstance(value, int | float) and not isinstance(value, bool):
+        value = str(value)  # models often write {"answer": 72} for a string parameter
     if not any(_type_ok(k, value) for k in kinds):
         want = " or ".join(kinds)
         return value, f"{where} must be {want}, got {type(value).__name__} {value!r:.80}"
