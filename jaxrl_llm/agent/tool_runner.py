@@ -1,22 +1,27 @@
 """Runs tool calls: concurrently, with a timeout each, and never raising for a tool's fault.
 
 One `ToolRunner` holds the tools and an asyncio event loop on its own thread. Async tool methods run on
-that loop; sync ones each run on a fresh daemon thread, awaited from the loop. A `ToolSession` (one per
+that loop; sync ones run on a pool of `max_workers` daemon threads, awaited from the loop. A `ToolSession` (one per
 trajectory) creates a tool's instance on its first call (veRL's `create(**create_kwargs)`), runs a
 turn's calls together, sums `calc_reward` over the tools it used, and releases them.
 
 Timeouts: an async tool is cancelled at its timeout. A sync Python function cannot be killed: one that
-hangs keeps its (daemon) thread until it returns, and `ToolRunner.stuck_threads` counts those. Daemon
-threads never block the interpreter's exit. For untrusted or possibly-hanging code use the sandboxed
-`python` tool (`jaxrl_llm.agent.sandbox`), which runs in a separate process group that is killed.
+hangs keeps its (daemon) thread until it returns; the pool starts a replacement so that it keeps
+`max_workers` free threads, and `ToolRunner.stuck_threads` counts the hung ones. Daemon threads never
+block the interpreter's exit (a `ThreadPoolExecutor`'s threads would). For untrusted or
+possibly-hanging code use the sandboxed `python` tool (`jaxrl_llm.agent.sandbox`), which runs in a
+separate process group that is killed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import inspect
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -25,59 +30,79 @@ from typing import Any
 
 from jaxrl_llm.agent.tool_types import (
     ERROR_KINDS,
+    TRUNCATE_SIDES,
     BaseTool,
     ToolCall,
     ToolCallError,
     ToolResult,
     check_call_arguments,
     function_tool,
+    truncate_text,
+    unpack_execute,
 )
 
 logger = logging.getLogger(__name__)
 
-TRUNCATE_SIDES = ("left", "right", "middle")
 # The keys of a row's `extra_info.tools_kwargs[tool_name]` (veRL), each a dict of keyword arguments.
 TOOLS_KWARGS_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
 
 
-def truncate_text(text: str, max_length: int, side: str = "middle") -> str:
-    """Caps a tool response at `max_length` characters, as veRL's agent loop does.
+class _Job:
+    """One sync tool-method call for the pool. `abandon()` (the caller timed out) skips it if it is still
+    queued; if it is running, its worker is stuck, so the pool starts a replacement and the stuck worker
+    retires when the call returns."""
 
-    `side` says which part is KEPT: "left" keeps the start (`...(truncated)` after it), "right" keeps
-    the end, "middle" keeps half from each end with `...(truncated)...` between them.
-    """
-    if len(text) <= max_length:
-        return text
-    if side == "left":
-        return text[:max_length] + "...(truncated)"
-    if side == "right":
-        return "(truncated)..." + text[-max_length:]
-    half = max_length // 2
-    return text[:half] + "...(truncated)..." + (text[-half:] if half else "")
+    def __init__(self, fn: Callable[[], Any], settle: Callable[[Any, BaseException | None], None]):
+        self.fn, self.settle = fn, settle
+        self.lock = threading.Lock()
+        self.state = "queued"  # -> "running" -> "done"
+        self.abandoned = False
 
-
-def _response_text(response: Any) -> str:
-    """The text of a veRL `execute()` response: a str, an object with `.text`, or a dict with "text"."""
-    if response is None:
-        return ""
-    if isinstance(response, str):
-        return response
-    text = response.get("text") if isinstance(response, dict) else getattr(response, "text", response)
-    return "" if text is None else str(text)
+    def abandon(self) -> bool:
+        """Marks the job abandoned; True if a worker is stuck in it."""
+        with self.lock:
+            self.abandoned = True
+            return self.state == "running"
 
 
-def _unpack_execute(out: Any) -> tuple[str, float]:
-    """(text, step reward) from `execute()`'s return: `(response, reward, metrics)`, `(response, reward)`
-    or a bare response."""
-    if isinstance(out, tuple):
-        text = _response_text(out[0]) if out else ""
-        reward = out[1] if len(out) > 1 else 0.0
-    else:
-        text, reward = _response_text(out), 0.0
-    try:
-        return text, float(reward or 0.0)
-    except (TypeError, ValueError):
-        raise TypeError(f"execute() returned reward {reward!r}; return (text, float reward, metrics)") from None
+class _DaemonPool:
+    """`size` daemon worker threads for sync tool methods (daemon: a hung tool never blocks the exit)."""
+
+    def __init__(self, size: int, name: str, runner: ToolRunner):
+        self.name, self.runner = name, runner
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(size):
+            self.spawn()
+
+    def spawn(self) -> None:
+        threading.Thread(target=self._work, name=self.name, daemon=True).start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            with job.lock:
+                if job.abandoned:
+                    continue
+                job.state = "running"
+            result = error = None
+            try:
+                result = job.fn()
+            except BaseException as e:  # a tool's fault is reported, never raised here
+                error = e
+            with job.lock:
+                job.state = "done"
+                stuck = job.abandoned
+            if stuck:  # a replacement took this thread's place while it hung
+                with self.runner._lock:
+                    self.runner.stuck_threads -= 1
+                return
+            job.settle(result, error)
+
+    def submit(self, job: _Job) -> None:
+        self._jobs.put(job)
+
+    def shutdown(self, size: int) -> None:
+        for _ in range(size):
+            self._jobs.put(None)
 
 
 class ToolRunner:
@@ -91,11 +116,12 @@ class ToolRunner:
       max_tool_response_length: characters of a tool response the model sees
         (`rollout.multi_turn.max_tool_response_length`).
       tool_response_truncate_side: "left", "right" or "middle" (the part kept, as veRL).
+      max_workers: threads for sync tool methods, shared by all sessions (async tools need none).
     """
 
     def __init__(self, tools: Sequence[BaseTool | Callable], *, max_parallel_calls: int = 1,
                  timeout_s: float = 30.0, max_tool_response_length: int = 256,
-                 tool_response_truncate_side: str = "middle"):
+                 tool_response_truncate_side: str = "middle", max_workers: int = 32):
         if not isinstance(max_parallel_calls, int) or max_parallel_calls < 1:
             raise ValueError(f"rollout.multi_turn.max_parallel_calls={max_parallel_calls!r}: use an int >= 1")
         if not isinstance(max_tool_response_length, int) or max_tool_response_length < 1:
@@ -106,6 +132,8 @@ class ToolRunner:
                              f"{tool_response_truncate_side!r}: use one of {TRUNCATE_SIDES}")
         if not timeout_s or timeout_s <= 0:
             raise ValueError(f"tool timeout_s={timeout_s!r}: use a positive number of seconds")
+        if not isinstance(max_workers, int) or max_workers < 1:
+            raise ValueError(f"ToolRunner max_workers={max_workers!r}: use an int >= 1")
         self.tools: dict[str, BaseTool] = {}
         for tool in tools:
             tool = function_tool(tool)
@@ -119,7 +147,9 @@ class ToolRunner:
         # Plain dicts, for tokenizer.apply_chat_template(..., tools=schemas).
         self.schemas: list[dict] = [t.tool_schema.model_dump() for t in self.tools.values()]
         self.stuck_threads = 0
+        self.max_workers = max_workers
         self._lock = threading.Lock()
+        self._pool = _DaemonPool(max_workers, name=f"tool-worker-{id(self):x}", runner=self)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tool-runner-loop", daemon=True)
         self._thread.start()
@@ -136,6 +166,7 @@ class ToolRunner:
         if self._closed:
             return
         self._closed = True
+        self._pool.shutdown(self.max_workers)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
         if not self._thread.is_alive():
@@ -158,45 +189,38 @@ class ToolRunner:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def invoke(self, fn: Callable, *args, **kwargs) -> Any:
-        """Calls a tool method: awaited if async, else on its own daemon thread (awaited here)."""
+        """Calls a tool method: awaited if async, else on the worker pool (awaited here)."""
         if inspect.iscoroutinefunction(fn):
             return await fn(*args, **kwargs)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
-        def target():
-            try:
-                result, error = fn(*args, **kwargs), None
-            except BaseException as e:  # a tool's fault is reported, never raised on the loop
-                result, error = None, e
-            loop.call_soon_threadsafe(_settle, future, result, error, self)
+        def settle(result: Any, error: BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # RuntimeError: the runner was closed meanwhile
+                loop.call_soon_threadsafe(_settle, future, result, error)
 
-        threading.Thread(target=target, name=f"tool-{getattr(fn, '__qualname__', 'call')}", daemon=True).start()
-        result = await _wait_marking_stuck(future, self)
+        job = _Job(functools.partial(fn, *args, **kwargs), settle)
+        self._pool.submit(job)
+        try:
+            result = await future
+        except asyncio.CancelledError:  # the caller timed out
+            if job.abandon():
+                with self._lock:
+                    self.stuck_threads += 1
+                self._pool.spawn()
+            raise
         if inspect.isawaitable(result):
             result = await result
         return result
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None, runner: ToolRunner) -> None:
-    if future.cancelled():  # the caller timed out; this thread was counted as stuck until now
-        with runner._lock:
-            runner.stuck_threads -= 1
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
         return
     if error is not None:
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-async def _wait_marking_stuck(future: asyncio.Future, runner: ToolRunner) -> Any:
-    try:
-        return await future
-    except asyncio.CancelledError:
-        with runner._lock:
-            runner.stuck_threads += 1
-        future.cancel()
-        raise
 
 
 class ToolSession:
@@ -283,7 +307,7 @@ class ToolSession:
     async def _execute(self, tool: BaseTool, arguments: dict) -> tuple[str, float]:
         instance_id = await asyncio.shield(self._instance(tool))
         kwargs = self._kwargs(tool.name, "execute_kwargs")
-        return _unpack_execute(await self.runner.invoke(tool.execute, instance_id, arguments, **kwargs))
+        return unpack_execute(await self.runner.invoke(tool.execute, instance_id, arguments, **kwargs))
 
     def _instance(self, tool: BaseTool) -> asyncio.Future:
         if tool.name not in self._instances:

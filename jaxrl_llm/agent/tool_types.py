@@ -174,3 +174,46 @@ def check_call_arguments(tool: BaseTool, arguments: dict) -> tuple[dict, str | N
     """A call's arguments checked against `tool`'s schema: (arguments, None) or (arguments, message)."""
     parameters = tool.tool_schema["function"].get("parameters") or {}
     return check_arguments(tool.name, parameters, arguments, allow_extra=tool.allow_extra_arguments)
+
+
+TRUNCATE_SIDES = ("left", "right", "middle")
+
+
+def truncate_text(text: str, max_length: int, side: str = "middle") -> str:
+    """Caps a tool response at `max_length` characters, as veRL's agent loop does.
+
+    `side` says which part is KEPT: "left" keeps the start (`...(truncated)` after it), "right" keeps
+    the end, "middle" keeps half from each end with `...(truncated)...` between them.
+    """
+    if len(text) <= max_length:
+        return text
+    if side == "left":
+        return text[:max_length] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[-max_length:]
+    half = max_length // 2
+    return text[:half] + "...(truncated)..." + (text[-half:] if half else "")
+
+
+def response_text(response: Any) -> str:
+    """The text of a veRL `execute()` response: a str, an object with `.text`, or a dict with "text"."""
+    if response is None:
+        return ""
+    if isinstance(response, str):
+        return response
+    text = response.get("text") if isinstance(response, dict) else getattr(response, "text", response)
+    return "" if text is None else str(text)
+
+
+def unpack_execute(out: Any) -> tuple[str, float]:
+    """(text, step reward) from `execute()`'s return: `(response, reward, metrics)`, `(response, reward)`
+    or a bare response."""
+    if isinstance(out, tuple):
+        text = response_text(out[0]) if out else ""
+        reward = out[1] if len(out) > 1 else 0.0
+    else:
+        text, reward = response_text(out), 0.0
+    try:
+        return text, float(reward or 0.0)
+    except (TypeError, ValueError):
+        raise TypeError(f"execute() returned reward {reward!r}; return (text, float reward, metrics)") from None

@@ -35,10 +35,11 @@ import importlib
 import os
 from typing import Any
 
-from jaxrl_llm.agent.tool_runner import TRUNCATE_SIDES, ToolRunner, ToolSession, truncate_text
+from jaxrl_llm.agent.tool_runner import ToolRunner, ToolSession
 from jaxrl_llm.agent.tool_schema import ToolSchemaError, check_arguments, function_schema
 from jaxrl_llm.agent.tool_types import (
     ERROR_KINDS,
+    TRUNCATE_SIDES,
     BaseTool,
     FunctionTool,
     ToolCall,
@@ -46,6 +47,7 @@ from jaxrl_llm.agent.tool_types import (
     ToolResult,
     ToolSchema,
     function_tool,
+    truncate_text,
 )
 
 __all__ = ["ERROR_KINDS", "TRUNCATE_SIDES", "BaseTool", "FunctionTool", "ToolCall", "ToolCallError",

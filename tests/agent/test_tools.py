@@ -155,6 +155,19 @@ def test_calls_of_one_turn_run_concurrently():
     assert [r.text for r in results] == ["met 0", "met 1", "met 2"]
 
 
+def test_worker_pool_stays_bounded_and_survives_a_hung_tool():
+    with ToolRunner([multiply, _hang], max_parallel_calls=2, timeout_s=0.3, max_workers=2) as runner:
+        sessions = [runner.open() for _ in range(50)]
+        futures = [s.call_future([ToolCall("multiply", {"a": i, "b": 3})]) for i, s in enumerate(sessions)]
+        assert [f.result()[0].text for f in futures] == [str(3 * i) for i in range(50)]
+        hung = sessions[0].call([ToolCall("_hang", {}), ToolCall("_hang", {})])
+        assert [r.error for r in hung] == ["timeout", "timeout"] and runner.stuck_threads == 2
+        # both workers hang, yet calls still run: each hung worker was replaced
+        assert sessions[1].call([ToolCall("multiply", {"a": 2, "b": 2})])[0].text == "4"
+        workers = [t for t in threading.enumerate() if t.name == runner._pool.name]
+        assert len(workers) == 4  # 2 hung + 2 replacements, after 54 calls
+
+
 def test_parallel_call_cap_and_truncation_sides():
     with ToolRunner([multiply], max_parallel_calls=2, timeout_s=5.0) as runner:
         results = runner.open().call([ToolCall("multiply", {"a": i, "b": 2}) for i in range(4)])
