@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 
-from jaxrl_llm.agent.sandbox_os import ProcessCap, plan_process_cap, remove_cgroup
+from jaxrl_llm.agent.sandbox_os import ProcessCap, plan_process_cap, proc_entries, remove_cgroup
 
 LAUNCHER = r"""
 import ctypes, json, os, resource, sys
@@ -214,13 +214,11 @@ def _kill_group_and_session(pgid: int) -> None:
     """SIGKILL to the process group, and to anything still in its session (a child that setpgid'd)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for entry in proc_entries():
         try:
             with open(f"/proc/{entry}/stat") as f:
                 stat = f.read()
-            session = int(stat.rsplit(")", 1)[1].split()[4])
+            session = int(stat.rsplit(")", 1)[1].split()[3])  # after "(comm)": state ppid pgrp session
             if session == pgid:
                 os.kill(int(entry), signal.SIGKILL)
         except (OSError, ValueError, IndexError):
@@ -233,6 +231,9 @@ def run_command(argv: list[str], *, limits: SandboxLimits = SandboxLimits(), std
     temp directory holding `files` ({relative name: text}), under `limits`."""
     if not argv or not os.path.isabs(argv[0]):
         raise SandboxError(f"sandbox argv[0] must be an absolute path (the environment is empty), got {argv!r:.200}")
+    for name in files or {}:
+        if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+            raise SandboxError(f"sandbox file name {name!r} must be relative and stay inside the working directory")
     cap = plan_process_cap(limits.user, limits.max_processes, argv[0])
     workdir = tempfile.mkdtemp(prefix="jaxrl_sandbox_")
     try:

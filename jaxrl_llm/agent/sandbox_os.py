@@ -36,12 +36,18 @@ class ProcessCap:
     note: str = ""
 
 
+def proc_entries() -> list[str]:
+    """The process ids in /proc (none where there is no /proc, e.g. macOS)."""
+    try:
+        return [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+
+
 def tasks_of_uid(uid: int) -> int:
     """Threads the user runs now (RLIMIT_NPROC counts all of them, not only the sandbox's)."""
     total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for entry in proc_entries():
         try:
             with open(f"/proc/{entry}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
@@ -71,7 +77,7 @@ def user_can_run(uid: int, gid: int, interpreter: str) -> bool:
 
 
 def _v1_pids_root() -> str | None:
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo") as f:  # an OSError without /proc: no cgroup
         for line in f:
             left, _, right = line.partition(" - ")
             fields, opts = left.split(), right.split()

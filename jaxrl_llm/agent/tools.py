@@ -126,7 +126,10 @@ def load_tool_config(path: str) -> list[BaseTool]:
     path of a `BaseTool` subclass (built as `Class(config=config, tool_schema=tool_schema)`) or of a
     typed function. veRL's own `verl.tools.gsm8k_tool.Gsm8kTool` maps to our `Gsm8kTool`.
     """
-    import yaml
+    try:
+        import yaml
+    except ImportError:
+        raise ToolConfigError("reading a tool YAML needs the pyyaml package: pip install pyyaml") from None
 
     path = os.path.expanduser(os.fspath(path))
     try:

@@ -111,6 +111,28 @@ def test_infinite_loop_is_killed_at_the_timeout_with_its_children():
     assert wait_gone(result.workdir) == [], "a child outlived the sandbox"
 
 
+def test_group_kill_reaches_a_child_that_left_the_process_group():
+    """The fallback where neither a PID namespace nor a pids cgroup is available."""
+    import subprocess
+    import sys
+
+    from jaxrl_llm.agent.sandbox import _kill_group_and_session
+
+    code = ("import os, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], process_group=0)\n"
+            "print(child.pid, flush=True)\ntime.sleep(60)\n")
+    leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    child = int(leader.stdout.readline())
+    assert os.getpgid(child) == child != leader.pid and os.getsid(child) == leader.pid
+    _kill_group_and_session(leader.pid)
+    assert leader.wait(timeout=5) == -signal.SIGKILL
+    deadline = time.monotonic() + 3.0
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.05)  # the orphan is reaped by init once killed
+    assert not os.path.exists(f"/proc/{child}") or "Z" in open(f"/proc/{child}/stat").read().split(")")[1][:3]
+    leader.stdout.close()
+
+
 def test_cpu_limit_kills_with_sigxcpu():
     result = run_python("while True:\n    pass\n", limits=SandboxLimits(timeout_s=10.0, cpu_s=1))
     assert not result.timed_out and result.returncode == -signal.SIGXCPU
@@ -164,6 +186,8 @@ def test_python_tool_through_the_runner():
 def test_bad_sandbox_input_is_one_clear_error():
     with pytest.raises(SandboxError, match="absolute path"):
         run_command(["python", "-c", "pass"])
+    with pytest.raises(SandboxError, match="stay inside the working directory"):
+        run_command(["/bin/true"], files={"../escape.py": "x"})
     with pytest.raises(ValueError, match="SandboxLimits.memory_mb=0"):
         SandboxLimits(memory_mb=0)
     with pytest.raises(ValueError, match="python tool config"):
