@@ -162,11 +162,14 @@ class ToolRunner:
         return ToolSession(self, tools_kwargs)
 
     def close(self) -> None:
-        """Stops the event loop thread. Sync tools still running keep their daemon threads."""
+        """Cancels calls in flight (their futures raise CancelledError) and stops the event loop thread.
+        Sync tools still running keep their daemon threads until they return."""
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(self.max_workers)
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop).result(timeout=5.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
         if not self._thread.is_alive():
@@ -212,6 +215,13 @@ class ToolRunner:
         if inspect.isawaitable(result):
             result = await result
         return result
+
+
+async def _cancel_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

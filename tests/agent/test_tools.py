@@ -4,6 +4,7 @@ truncation, veRL-style class tools through veRL's YAML, the GSM8K tool and its d
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib.util
 import json
 import pathlib
@@ -156,16 +157,21 @@ def test_calls_of_one_turn_run_concurrently():
 
 
 def test_worker_pool_stays_bounded_and_survives_a_hung_tool():
-    with ToolRunner([multiply, _hang], max_parallel_calls=2, timeout_s=0.3, max_workers=2) as runner:
+    with ToolRunner([multiply, _hang, _async_hang], max_parallel_calls=2, timeout_s=20.0, max_workers=2) as runner:
         sessions = [runner.open() for _ in range(50)]
         futures = [s.call_future([ToolCall("multiply", {"a": i, "b": 3})]) for i, s in enumerate(sessions)]
         assert [f.result()[0].text for f in futures] == [str(3 * i) for i in range(50)]
+        runner.timeout_s = 0.3
         hung = sessions[0].call([ToolCall("_hang", {}), ToolCall("_hang", {})])
+        runner.timeout_s = 20.0
         assert [r.error for r in hung] == ["timeout", "timeout"] and runner.stuck_threads == 2
         # both workers hang, yet calls still run: each hung worker was replaced
         assert sessions[1].call([ToolCall("multiply", {"a": 2, "b": 2})])[0].text == "4"
         workers = [t for t in threading.enumerate() if t.name == runner._pool.name]
         assert len(workers) == 4  # 2 hung + 2 replacements, after 54 calls
+        in_flight = sessions[2].call_future([ToolCall("_async_hang", {})])
+    with pytest.raises(concurrent.futures.CancelledError):  # closing cancels it: no caller waits forever
+        in_flight.result(timeout=5.0)
 
 
 def test_parallel_call_cap_and_truncation_sides():
