@@ -10,10 +10,11 @@ How: the parent starts a small launcher (`python -I -S -c LAUNCHER`, a fresh sin
 nothing here runs between fork and exec in a multi-threaded trainer, where `preexec_fn` could deadlock).
 The launcher
   1. joins the run's pids cgroup, when there is one (see `sandbox_os`: how processes are capped);
-  2. enters new namespaces through libc `unshare`: a network namespace (only a loopback that is down:
-     every connection fails) and a PID namespace (when its first process ends, the kernel kills every
-     process left in it, even ones that left the process group with setsid). As root it needs no
-     more; otherwise it adds a user namespace, where the kernel allows unprivileged ones;
+  2. enters new namespaces through libc `unshare` (by ctypes: `os.unshare` is Python 3.12+): a network
+     namespace (only a loopback that is down: every connection fails) and a PID namespace (when its
+     first process ends, the kernel kills every process left in it, even ones that left the process
+     group with setsid). As root it needs no more; otherwise it adds a user namespace, where the
+     kernel allows unprivileged ones;
   3. when run as root, drops to the user `nobody` if that user can start the interpreter;
   4. sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0 and, where it binds,
      RLIMIT_NPROC;
@@ -24,9 +25,11 @@ It reports what it managed on a pipe; `SandboxResult.network_isolated`, `.pid_na
 
 Where the OS refuses namespaces (a container without CAP_SYS_ADMIN and without user namespaces), the code
 still runs with the limits and the group kill, but it can reach the network, and a process that
-double-forks and calls setsid() can outlive the kill (RLIMIT_CPU still bounds its CPU time). The result
-says so and `python` tool logs it once. For hostile code, run the whole trainer's tool side in a
-container or gVisor as well.
+double-forks and calls setsid() can outlive the kill unless a pids cgroup holds the run (RLIMIT_CPU
+still bounds its CPU time). The result says so and the `python` tool logs it once. RLIMIT_AS is per
+process: a program may use up to `max_processes * memory_mb`. Files outside the working directory are
+protected only as far as the run's user is: as root without `nobody` (see `sandbox_os`) they are not.
+For hostile code, run the tool side in a container or gVisor as well.
 """
 
 from __future__ import annotations
