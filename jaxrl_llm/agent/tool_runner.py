@@ -192,9 +192,12 @@ class ToolRunner:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def invoke(self, fn: Callable, *args, **kwargs) -> Any:
-        """Calls a tool method: awaited if async, else on the worker pool (awaited here)."""
+        """Calls a tool method: awaited if async, inline if it is `BaseTool`'s own trivial default, else on
+        the worker pool (awaited here)."""
         if inspect.iscoroutinefunction(fn):
             return await fn(*args, **kwargs)
+        if getattr(fn, "__func__", None) in _INLINE_DEFAULTS:
+            return fn(*args, **kwargs)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -215,6 +218,18 @@ class ToolRunner:
         if inspect.isawaitable(result):
             result = await result
         return result
+
+
+async def _with_timeout(coro, seconds: float) -> Any:
+    """`asyncio.wait_for` without its extra task where Python has `asyncio.timeout` (3.11+)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await coro
+    return await asyncio.wait_for(coro, seconds)
+
+
+# BaseTool's default create / calc_reward / release do no work: a thread hop for them would cost more.
+_INLINE_DEFAULTS = (BaseTool.create, BaseTool.calc_reward, BaseTool.release)
 
 
 async def _cancel_tasks() -> None:
@@ -307,7 +322,7 @@ class ToolSession:
         if problem:
             return f"Error: {problem}", 0.0, "bad_arguments"
         try:
-            return (*await asyncio.wait_for(self._execute(tool, arguments), runner.timeout_s), None)
+            return (*await _with_timeout(self._execute(tool, arguments), runner.timeout_s), None)
         except TimeoutError:
             return f"Error: tool {tool.name!r} timed out after {runner.timeout_s:g} s", 0.0, "timeout"
         except Exception as e:  # the tool's own fault: the model sees it, the run goes on
@@ -315,7 +330,8 @@ class ToolSession:
             return f"Error: tool {tool.name!r} raised {type(e).__name__}: {e}", 0.0, "raised"
 
     async def _execute(self, tool: BaseTool, arguments: dict) -> tuple[str, float]:
-        instance_id = await asyncio.shield(self._instance(tool))
+        created = self._instance(tool)
+        instance_id = created.result() if created.done() else await asyncio.shield(created)
         kwargs = self._kwargs(tool.name, "execute_kwargs")
         return unpack_execute(await self.runner.invoke(tool.execute, instance_id, arguments, **kwargs))
 
@@ -330,8 +346,7 @@ class ToolSession:
         kwargs = dict(create_kwargs)
         # veRL's agent loop passes create_kwargs=..., its older rollout passes them as keywords: a tool
         # written for either reads its arguments when it takes **kwargs.
-        params = inspect.signature(tool.create).parameters.values()
-        if "create_kwargs" not in kwargs and any(p.kind is p.VAR_KEYWORD for p in params):
+        if "create_kwargs" not in kwargs and _takes_var_kwargs(tool.create):
             kwargs["create_kwargs"] = dict(create_kwargs)
         out = await self.runner.invoke(tool.create, wanted, **kwargs)
         instance_id = out[0] if isinstance(out, tuple) and out else out
@@ -370,6 +385,11 @@ class ToolSession:
                                        self.runner.timeout_s)
             except Exception as e:
                 logger.warning("tool %r: release failed (%s: %s)", tool.name, type(e).__name__, e)
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_var_kwargs(method: Callable) -> bool:
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(method).parameters.values())
 
 
 def _check_tools_kwargs(tools_kwargs: Any, tools: dict[str, BaseTool]) -> dict:
