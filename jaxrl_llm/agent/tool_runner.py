@@ -371,7 +371,7 @@ class ToolSession:
             try:
                 value = await asyncio.wait_for(self.runner.invoke(tool.calc_reward, instance_id, **kwargs),
                                                self.runner.timeout_s)
-                total += float(value)
+                total += float(value or 0.0)  # None (a stub calc_reward) adds 0
             except Exception as e:
                 self.metrics["errors/reward"] += 1
                 logger.warning("tool %r: calc_reward failed (%s: %s); it adds 0", tool.name, type(e).__name__, e)
