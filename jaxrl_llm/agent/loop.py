@@ -109,8 +109,10 @@ class AgentLoop:
         if len(rows) * n >= 1 << _TURN_BITS:
             raise AgentLoopError(f"{len(rows) * n} trajectories in one rollout; the agent loop seeds at most "
                                  f"{(1 << _TURN_BITS) - 1} (lower data.train_batch_size or rollout.n)")
-        trajs = [self._start(i * n + j, rows[i]) for i in range(len(rows)) for j in range(n)]
+        trajs: list[_Trajectory] = []
         try:
+            for r in range(len(rows) * n):
+                trajs.append(self._start(r, rows[r // n]))
             self._drive(trajs, sampling)
             for t in trajs:
                 t.step_reward += float(t.session.reward())

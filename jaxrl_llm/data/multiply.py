@@ -1,6 +1,6 @@
 """The agentic demo task: two-digit multiplication that a tiny model can only answer through a tool.
 
-A prompt is "37*48=". The model has a `multiply` tool (hermes format). A correct response is one call,
+A prompt is "37*48=" (operands 32..99). The model has a `multiply` tool (hermes format). A correct response is one call,
 then the answer copied from the tool's output:
 
     <tool_call>{"name": "multiply", "arguments": {"a": 37, "b": 48}}</tool_call><eos>   (assistant)
@@ -11,8 +11,12 @@ The tokenizer is built in code (a word-level vocabulary), so the demo needs no d
 fixed text is three words (`<tool_call>{"name": "multiply", "arguments": {"a": `, `, "b": ` and
 `}}</tool_call>`), so a randomly initialised model can stumble on a call and learn to copy the digits.
 The reward reads the assistant's text only (the tool's output cannot score by itself): 1.0 for the
-right `#### <product>`; a wrong answer gets partial credit for a well-formed call (0.1) and for each of
-the call's operands copied right (0.2 each), which makes the first steps of exploration reachable.
+right `#### <product>`. A wrong answer gets partial credit, word by word against the right turns: for
+the call's shape (0.2: its words in kind, digit or the very word, from the start on) and its four
+digits (0.3), then for the answer's shape (0.1) and digits (0.3).
+That makes each step of exploration reachable from a random model: the call's words, then each digit
+copied from the prompt, then each digit copied from the tool's output. Operands run from 32 to 99, so
+every product has four digits.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from jaxrl_llm.rewards.gsm8k import compute_score
 from jaxrl_llm.rewards.registry import register_reward
 
 DATA_SOURCE = "multiply"
-SPECIAL = ["<pad>", "<eos>"]
+SPECIAL = ["<pad>", "<eos>", "<unk>"]
 CALL_OPEN = '<tool_call>{"name": "multiply", "arguments": {"a": '
 CALL_MID = ', "b": '
 CALL_CLOSE = "}}</tool_call>"
@@ -37,21 +41,21 @@ WORDS = [str(d) for d in range(10)] + ["*", "=", "#### ", CALL_OPEN, CALL_MID, C
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}<eos>"
                  "{% elif m['role'] == 'tool' %}<tool_response>{{ m['content'] }}</tool_response>"
                  "{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
-_CALL_RE = re.compile(r'"a": (\d+), "b": (\d+)\}\}')
+_LONG_WORDS = "|".join(re.escape(w) for w in sorted(WORDS, key=len, reverse=True) if len(w) > 1)
+_WORD_RE = re.compile(f"{_LONG_WORDS}|.", re.DOTALL)
 
 
 def build_tokenizer(save_dir: str | None = None):
-    """A `PreTrainedTokenizerFast`: <pad>=0, <eos>=1, digits, '*', '=', '#### ', the call's three words and
-    the tool response's two tags."""
+    """A `PreTrainedTokenizerFast`: <pad>=0, <eos>=1, <unk>=2, digits, '*', '=', '#### ', the call's three
+    words and the tool response's two tags."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    long_words = "|".join(re.escape(w) for w in sorted(WORDS, key=len, reverse=True) if len(w) > 1)
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(f"{long_words}|."), behavior="isolated")
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(f"{_LONG_WORDS}|."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
                                    chat_template=CHAT_TEMPLATE)
     if save_dir is not None:
         os.makedirs(save_dir, exist_ok=True)
@@ -63,24 +67,44 @@ def vocab_size() -> int:
     return len(SPECIAL) + len(WORDS)
 
 
+def _word_type(word: str) -> str:
+    return "digit" if word.isdigit() else word
+
+
+def _turn_credit(text: str, target: str) -> tuple[float, float]:
+    """(shape, digits) of one turn against the right one: the share of the target's words matched in
+    kind (a digit, or the very word) from the start on, 1 only when the turn also ends there; and the
+    share of the target's digits right within that matched start."""
+    got, want = _WORD_RE.findall(text), _WORD_RE.findall(target)
+    k = next((i for i, (g, w) in enumerate(zip(got, want)) if _word_type(g) != _word_type(w)),
+             min(len(got), len(want)))
+    shape = (k - (k == len(want) and len(got) > k)) / len(want)
+    digits = [i for i, w in enumerate(want) if w.isdigit()]
+    return shape, sum(i < k and got[i] == want[i] for i in digits) / len(digits)
+
+
 @register_reward(DATA_SOURCE)
 def multiply_score(solution_str, ground_truth, extra_info=None) -> dict:
-    """1.0 for the right `#### <product>`; otherwise 0.1 for a call and 0.2 for each operand copied right.
-    `acc` is the answer's correctness alone (the demo's accuracy)."""
+    """1.0 for the right `#### <product>`; otherwise partial credit (below 0.9) for the shape and the digits
+    of the right call, then of the right answer (see the module docstring). `acc` is the answer's
+    correctness alone (the demo's accuracy), `called` whether the first turn is exactly the right call."""
     a, b = (int(x) for x in ground_truth.split("*"))
     acc = compute_score(solution_str, str(a * b), method="strict", format_score=0.0, score=1.0)
-    shaped = 0.0
-    call = _CALL_RE.search(solution_str)
-    if call is not None:
-        shaped = 0.1 + 0.2 * (int(call.group(1)) == a) + 0.2 * (int(call.group(2)) == b)
-    return {"score": max(acc, shaped), "acc": acc, "called": float(call is not None)}
+    turns = solution_str.split("\n")
+    call = f"{CALL_OPEN}{a}{CALL_MID}{b}{CALL_CLOSE}"
+    form, content = _turn_credit(turns[0], call)
+    shaped = 0.2 * form + 0.3 * content
+    if len(turns) > 1:
+        form, content = _turn_credit(turns[1], f"#### {a * b}")
+        shaped += 0.1 * form + 0.3 * content
+    return {"score": max(acc, shaped), "acc": acc, "called": float(turns[0] == call)}
 
 
 class MultiplyDataset:
     """Every `a*b=` with a, b in [low, high], as PromptDataset-style items (with `messages`); the train
     split holds one in `holdout` pairs less than all, the test split those held out."""
 
-    def __init__(self, tokenizer, *, low: int = 10, high: int = 99, split: str = "train", holdout: int = 10,
+    def __init__(self, tokenizer, *, low: int = 32, high: int = 99, split: str = "train", holdout: int = 10,
                  seed: int = 0):
         pairs = list(itertools.product(range(low, high + 1), repeat=2))
         test = np.random.default_rng(seed).random(len(pairs)) < 1.0 / holdout
