@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 
 AGENTS = ("tool_agent", "single_turn_agent")  # veRL's agent_name values
 _TURN_BITS = 24  # stream(r, k) = k << 24 | r: turn 0 of row r draws like a single-turn rollout's row r
-# Seconds the loop waits for more tools to finish after the first one, so engine calls stay batched.
-_GATHER_S = 0.02
+# Seconds the loop waits for the other running tools after the first one finishes, so that the next
+# engine call takes them too (each call has a fixed cost); a slower tool runs on, and its row joins a
+# later call.
+_GATHER_S = 0.25
 
 
 class AgentLoopError(ValueError):
@@ -138,8 +140,10 @@ class AgentLoop:
         """Engine calls on every ready trajectory, tools on the runner, until every trajectory is done."""
         ready = list(trajs)
         running: dict[concurrent.futures.Future, _Trajectory] = {}
+        self._engine_calls = 0
         while ready or running:
             if ready:
+                self._engine_calls += 1
                 self._assistant_turn(ready, sampling)
                 running.update({t.session.call_future(t.pending): t for t in ready if t.finish is None})
                 ready = []
@@ -216,7 +220,7 @@ class AgentLoop:
                          tool_seconds=stat("seconds"),
                          tool_rewards=np.asarray([t.step_reward for t in trajs], np.float32),
                          texts=["\n".join(t.texts) for t in trajs])
-        self.last_metrics = agent_metrics(out)
+        self.last_metrics = {**agent_metrics(out), "multi_turn/engine_calls": float(self._engine_calls)}
         return out
 
 

@@ -1,22 +1,21 @@
 """The agentic demo task: two-digit multiplication that a tiny model can only answer through a tool.
 
-A prompt is "37*48=" (operands 32..99). The model has a `multiply` tool (hermes format). A correct response is one call,
-then the answer copied from the tool's output:
+A prompt is "37*48=" (operands 32..99, so every product has four digits). The model has a `multiply`
+tool (hermes format) that multiplies the question's numbers: its per-row state comes from the row's
+`extra_info.tools_kwargs.multiply.create_kwargs` (veRL's per-row tool arguments), so a call takes no
+arguments. A correct response is one call, then the answer copied from the tool's output:
 
-    <tool_call>{"name": "multiply", "arguments": {"a": 37, "b": 48}}</tool_call><eos>   (assistant)
-    <tool_response>1776</tool_response>                                               (tool turn)
-    #### 1776<eos>                                                                    (assistant)
+    <tool_call>{"name": "multiply", "arguments": {}}</tool_call><eos>   (assistant)
+    <tool_response>1776</tool_response>                                 (tool turn, mask 0)
+    #### 1776<eos>                                                      (assistant)
 
-The tokenizer is built in code (a word-level vocabulary), so the demo needs no downloads. The call's
-fixed text is three words (`<tool_call>{"name": "multiply", "arguments": {"a": `, `, "b": ` and
-`}}</tool_call>`), so a randomly initialised model can stumble on a call and learn to copy the digits.
-The reward reads the assistant's text only (the tool's output cannot score by itself): 1.0 for the
-right `#### <product>`. A wrong answer gets partial credit, word by word against the right turns: for
-the call's shape (0.2: its words in kind, digit or the very word, from the start on) and its four
-digits (0.3), then for the answer's shape (0.1) and digits (0.3).
-That makes each step of exploration reachable from a random model: the call's words, then each digit
-copied from the prompt, then each digit copied from the tool's output. Operands run from 32 to 99, so
-every product has four digits.
+The tokenizer is built in code (a word-level vocabulary, the call one word), so the demo needs no
+downloads, and a randomly initialised model can stumble on the call. The reward reads the assistant's
+text only (the tool's output cannot score by itself): 1.0 for the right `#### <product>`. A wrong
+answer gets partial credit word by word against the right turns: 0.2 for the call turn, then 0.2 for
+the answer's shape (its words in kind, a digit or the very word, from the start on) and 0.4 for its
+digits, so that each step of exploration is reachable: the call, then each digit copied from the
+tool's output.
 """
 
 from __future__ import annotations
@@ -27,16 +26,14 @@ import re
 
 import numpy as np
 
+from jaxrl_llm.agent.tools import BaseTool
 from jaxrl_llm.rewards.gsm8k import compute_score
 from jaxrl_llm.rewards.registry import register_reward
 
 DATA_SOURCE = "multiply"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
-CALL_OPEN = '<tool_call>{"name": "multiply", "arguments": {"a": '
-CALL_MID = ', "b": '
-CALL_CLOSE = "}}</tool_call>"
-WORDS = [str(d) for d in range(10)] + ["*", "=", "#### ", CALL_OPEN, CALL_MID, CALL_CLOSE, "<tool_response>",
-                                       "</tool_response>"]
+CALL = '<tool_call>{"name": "multiply", "arguments": {}}</tool_call>'
+WORDS = [str(d) for d in range(10)] + ["*", "=", "#### ", CALL, "<tool_response>", "</tool_response>"]
 # The assistant's turns end with <eos>; a tool turn is its <tool_response> block; no headers.
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}<eos>"
                  "{% elif m['role'] == 'tool' %}<tool_response>{{ m['content'] }}</tool_response>"
@@ -46,8 +43,8 @@ _WORD_RE = re.compile(f"{_LONG_WORDS}|.", re.DOTALL)
 
 
 def build_tokenizer(save_dir: str | None = None):
-    """A `PreTrainedTokenizerFast`: <pad>=0, <eos>=1, <unk>=2, digits, '*', '=', '#### ', the call's three
-    words and the tool response's two tags."""
+    """A `PreTrainedTokenizerFast`: <pad>=0, <eos>=1, <unk>=2, digits, '*', '=', '#### ', the call and the
+    tool response's two tags."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -85,19 +82,40 @@ def _turn_credit(text: str, target: str) -> tuple[float, float]:
 
 @register_reward(DATA_SOURCE)
 def multiply_score(solution_str, ground_truth, extra_info=None) -> dict:
-    """1.0 for the right `#### <product>`; otherwise partial credit (below 0.9) for the shape and the digits
-    of the right call, then of the right answer (see the module docstring). `acc` is the answer's
-    correctness alone (the demo's accuracy), `called` whether the first turn is exactly the right call."""
+    """1.0 for the right `#### <product>`; otherwise partial credit (below 0.8) for the call turn, then
+    the answer's shape and digits (see the module docstring). `acc` is the answer's correctness alone
+    (the demo's accuracy), `called` whether the first turn is exactly the call."""
     a, b = (int(x) for x in ground_truth.split("*"))
     acc = compute_score(solution_str, str(a * b), method="strict", format_score=0.0, score=1.0)
     turns = solution_str.split("\n")
-    call = f"{CALL_OPEN}{a}{CALL_MID}{b}{CALL_CLOSE}"
-    form, content = _turn_credit(turns[0], call)
-    shaped = 0.2 * form + 0.3 * content
-    if len(turns) > 1:
+    called = turns[0] == CALL
+    shaped = 0.2 * called
+    if called and len(turns) > 1:
         form, content = _turn_credit(turns[1], f"#### {a * b}")
-        shaped += 0.1 * form + 0.3 * content
-    return {"score": max(acc, shaped), "acc": acc, "called": float(turns[0] == call)}
+        shaped += 0.2 * form + 0.4 * content
+    return {"score": max(acc, shaped), "acc": acc, "called": float(called)}
+
+
+class MultiplyTool(BaseTool):
+    """`multiply` with no arguments: the product of the row's two numbers, given per row by veRL's
+    `extra_info.tools_kwargs.multiply.create_kwargs` ({"a": 37, "b": 48})."""
+
+    def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
+        super().__init__(config, tool_schema or {"type": "function", "function": {
+            "name": "multiply", "description": "Multiplies the two numbers of the question.",
+            "parameters": {"type": "object", "properties": {}}}})
+        self._rows: dict[str, tuple[int, int]] = {}
+
+    def create(self, instance_id: str | None = None, a: int = 0, b: int = 0, **kwargs) -> str:
+        self._rows[instance_id] = (int(a), int(b))
+        return instance_id
+
+    def execute(self, instance_id: str, parameters: dict, **kwargs) -> tuple[str, float, dict]:
+        a, b = self._rows[instance_id]
+        return str(a * b), 0.0, {}
+
+    def release(self, instance_id: str, **kwargs) -> None:
+        self._rows.pop(instance_id, None)
 
 
 class MultiplyDataset:
@@ -115,9 +133,10 @@ class MultiplyDataset:
             messages = [{"role": "user", "content": f"{a}*{b}="}]
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            tools_kwargs = {"multiply": {"create_kwargs": {"a": a, "b": b}}}
             self.items.append({"prompt_ids": list(ids), "raw_prompt": text, "messages": messages,
                                "data_source": DATA_SOURCE, "ground_truth": f"{a}*{b}",
-                               "extra_info": {"split": split, "index": i}, "index": i})
+                               "extra_info": {"split": split, "index": i, "tools_kwargs": tools_kwargs}, "index": i})
 
     def __len__(self) -> int:
         return len(self.items)
