@@ -159,7 +159,9 @@ class AgentLoop:
     def _assistant_turn(self, ready: list[_Trajectory], sampling: SamplingParams) -> None:
         budgets = [self.max_response_length - len(t.ids) for t in ready]
         seeds = [(t.assistant_turns << _TURN_BITS) | t.row for t in ready]
-        out = self.generate([t.prompt + t.ids for t in ready], sampling.replace(n=1, max_new_tokens=max(budgets)),
+        # max_new_tokens stays the whole budget (the engines' programs are shaped by it); rows get their own.
+        out = self.generate([t.prompt + t.ids for t in ready],
+                            sampling.replace(n=1, max_new_tokens=self.max_response_length),
                             max_new_tokens_per_row=budgets, seeds=seeds)
         for i, t in enumerate(ready):
             ids = out.tokens[i, : out.lengths[i]].tolist()

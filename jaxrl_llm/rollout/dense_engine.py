@@ -126,14 +126,14 @@ class DenseJaxEngine(EngineWeights):
         <= sampling.max_new_tokens), like per-request budgets in vLLM. `seeds` optionally names each
         row's random stream (len(prompts) * n ints in [0, 2**31); default: the row's index).
         """
-        spec = self._request_spec(prompts, sampling)
         n = sampling.n
+        row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, sampling.max_new_tokens)
+        spec = self._request_spec(prompts, sampling, row_max)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         per_chunk = max(1, self.max_batch_size // n)
         tokens = np.full((len(prompts) * n, spec.max_new_tokens), spec.pad_id, np.int32)
         logps = np.zeros(tokens.shape, np.float32)
         lengths = np.zeros(len(prompts) * n, np.int32)
-        row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, spec.max_new_tokens)
         streams = row_streams(seeds, len(prompts) * n)
         key = jax.random.key(sampling.seed)
         self.last_trace = []

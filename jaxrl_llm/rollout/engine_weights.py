@@ -124,10 +124,12 @@ class EngineWeights:
             max_new_tokens=int(sampling.max_new_tokens), attention=attention,
             moe_top_k=self.cfg.num_experts_per_tok if self.cfg.is_moe else 0, norm_topk_prob=self.cfg.norm_topk_prob)
 
-    def _request_spec(self, prompts, sampling: SamplingParams) -> decode.DecodeSpec:
-        """Checks a request before any work (one clear error per problem); returns its decode spec."""
+    def _request_spec(self, prompts, sampling: SamplingParams, row_max=None) -> decode.DecodeSpec:
+        """Checks a request before any work (one clear error per problem); returns its decode spec.
+        `row_max` [len(prompts) * n] are the rows' own token caps, when they have them."""
+        budgets = row_max.reshape(len(prompts), -1).max(-1).tolist() if row_max is not None and row_max.size else None
         check_prompts(prompts, self.max_prompt_length, self.cfg.vocab_size, sampling,
-                      self.cfg.max_position_embeddings)
+                      self.cfg.max_position_embeddings, budgets=budgets)
         if self.params is None:
             raise RuntimeError(f"{type(self).__name__} has no weights; call update_weights(params) first")
         return self._spec(sampling, self.decode_attention)

@@ -244,9 +244,9 @@ class JaxEngine(EngineWeights):
         <= sampling.max_new_tokens), like per-request budgets in vLLM. `seeds` optionally names each
         row's random stream (len(prompts) * n ints in [0, 2**31); default: the row's index).
         """
-        spec = self._request_spec(prompts, sampling)
         n = sampling.n
-        row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, spec.max_new_tokens)
+        row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, sampling.max_new_tokens)
+        spec = self._request_spec(prompts, sampling, row_max)
         streams = row_streams(seeds, len(prompts) * n)
         rows = [Row(rid=i * n + j, prompt=i, ids=list(map(int, prompts[i])), max_tokens=int(row_max[i * n + j]),
                     stream=int(streams[i * n + j])) for i in range(len(prompts)) for j in range(n)]
