@@ -153,7 +153,7 @@ def test_summary_numbers(report):
 
 def test_absent_panels_are_skipped_and_reported(report):
     run_dir, result = report
-    assert set(result["skipped_panels"]) == {"kl", "vf_loss"}
+    assert set(result["skipped_panels"]) == {"kl", "vf_loss", "multi_turn"}  # not a multi-turn run
     assert not (run_dir / "report" / "kl.png").exists()
     md = open(result["summary"]).read()
     assert "## Skipped panels" in md
@@ -187,7 +187,8 @@ def test_cli_writes_report(tmp_path):
     md = (tmp_path / "out" / "summary.md").read_text()
     assert "- actor/kl_loss: 0.06 (step 60)" in md and "- actor/reward_kl_penalty: 0.12 (step 60)" in md
     assert "Steps 51–60: perf/throughput 1111 tokens/s/device, perf/mfu/actor 0.25 (25.00%)." in md
-    assert "## Skipped panels" not in md
+    skipped = md.split("## Skipped panels")[1].split("\n## ")[0].strip().splitlines()
+    assert [line.split(":")[0] for line in skipped if line.startswith("- ")] == ["- multi_turn"]  # single-turn
     assert "warning: metrics.jsonl:" in proc.stderr and "Traceback" not in proc.stderr
 
 

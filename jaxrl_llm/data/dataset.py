@@ -58,6 +58,8 @@ class PromptDataset:
       prompt_key: the column with the messages (veRL's `data.prompt_key`).
       apply_chat_template: template the message list; if False, `prompt_key` holds plain text.
       max_samples: keep only the first N rows (before filtering); None keeps all.
+      tools: OpenAI function schemas for the chat template (`tools=`), for multi-turn rollouts; items
+        then keep their `messages` and veRL's `agent_name` column, which the agent loop reads.
 
     Attributes:
       files: the files read, in order.
@@ -66,7 +68,7 @@ class PromptDataset:
 
     def __init__(self, files, tokenizer, *, max_prompt_length: int, prompt_key: str = "prompt",
                  filter_overlong: bool = True, apply_chat_template: bool = True,
-                 max_samples: int | None = None):
+                 max_samples: int | None = None, tools: list[dict] | None = None):
         if not isinstance(max_prompt_length, int) or max_prompt_length <= 0:
             raise DataError(f"PromptDataset: max_prompt_length={max_prompt_length!r}; use a positive int")
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
@@ -98,7 +100,7 @@ class PromptDataset:
                 self.num_filtered_ground_truth += 1
                 first.setdefault("ground_truth", f"{row.where}: {ground_truth!r}")
                 continue
-            kept.append((row, self._template(tokenizer, row, messages) if messages is not None else prompt))
+            kept.append((row, self._template(tokenizer, row, messages, tools) if messages is not None else prompt))
 
         ids = tokenizer([text for _, text in kept], add_special_tokens=False)["input_ids"] if kept else []
         self._items: list[dict[str, Any]] = []
@@ -115,7 +117,9 @@ class PromptDataset:
             if not isinstance(extra_info, dict):
                 raise DataError(f"{row.where}: 'extra_info' must be an object (dict) or absent; got "
                                 f"{type(extra_info).__name__}")
-            self._items.append({
+            agent = {"messages": _check_messages(row, prompt_key) if apply_chat_template else
+                     [{"role": "user", "content": text}], "agent_name": row.data.get("agent_name")} if tools else {}
+            self._items.append({**agent,
                 "prompt_ids": list(prompt_ids),
                 "raw_prompt": text,
                 "data_source": row.data["data_source"],
@@ -132,9 +136,9 @@ class PromptDataset:
                             "data.max_prompt_length)")
 
     @staticmethod
-    def _template(tokenizer, row: SourceRow, messages: list[dict]) -> str:
+    def _template(tokenizer, row: SourceRow, messages: list[dict], tools: list[dict] | None = None) -> str:
         try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as e:
             raise DataError(f"{row.where}: the chat template failed on this prompt "
                             f"({type(e).__name__}: {e})") from None

@@ -126,6 +126,19 @@ def _draw_vf_loss(ax, run):
     _smoothed(ax, run, "critic/vf_loss", "critic/vf_loss (EMA)")
 
 
+def _draw_multi_turn(ax, run):
+    """Tool use of a multi-turn run: tool calls and turns a response, tool errors a step (right axis)."""
+    for key in ("multi_turn/tool_calls_mean", "multi_turn/turns_mean"):
+        if run.has(key):
+            ax.plot(*run.series(key), lw=1, label=key)
+    ax.set_ylabel("per response")
+    if not run.has("multi_turn/tool_errors"):
+        return [ax]
+    twin = ax.twinx()
+    twin.plot(*run.series("multi_turn/tool_errors"), lw=1, color="C3", label="multi_turn/tool_errors (right)")
+    return [ax, twin]
+
+
 def _any_of(*keys: str) -> Callable[[RunMetrics], bool]:
     return lambda run: any(run.has(k) for k in keys)
 
@@ -158,6 +171,8 @@ PANELS = (
           lambda run: bool(run.phases()) or run.has("timing_s/step"), _draw_timing),
     Panel("grad_norm", "Gradient norm and learning rate", "actor/grad_norm", _any_of("actor/grad_norm"),
           _draw_grad_norm),
+    Panel("multi_turn", "Tool use (multi-turn rollouts)", "multi_turn/tool_calls_mean",
+          _any_of("multi_turn/tool_calls_mean"), _draw_multi_turn),
     Panel("vf_loss", "Value loss (PPO critic)", "critic/vf_loss", _any_of("critic/vf_loss"), _draw_vf_loss),
 )
 

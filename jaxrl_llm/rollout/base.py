@@ -92,14 +92,18 @@ class RolloutEngine(Protocol):
 
     max_prompt_length: int
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch: ...
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                 max_new_tokens_per_row: Sequence[int] | None = None,
+                 seeds: Sequence[int] | None = None) -> RolloutBatch: ...
 
     def update_weights(self, params, *, step: int | None = None) -> int: ...
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], max_prompt_length: int, vocab_size: int | None,
-                  sampling: SamplingParams, max_model_len: int | None = None) -> None:
-    """Validates a request before any work starts (one clear error per problem)."""
+                  sampling: SamplingParams, max_model_len: int | None = None,
+                  budgets: Sequence[int] | None = None) -> None:
+    """Validates a request before any work starts (one clear error per problem); `budgets` are the
+    prompts' own token caps when they have them (else sampling.max_new_tokens each)."""
     sampling.validate()
     if len(prompts) == 0:
         raise RolloutError("generate() got no prompts")
@@ -112,7 +116,8 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_prompt_length: int, voca
         if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
             raise RolloutError(f"prompt {i} has token ids outside [0, {vocab_size})")
     if max_model_len is not None:
-        longest = max(len(p) for p in prompts)
-        if longest + sampling.max_new_tokens > max_model_len:
-            raise RolloutError(f"prompt length {longest} + max_new_tokens {sampling.max_new_tokens} exceeds "
+        caps = budgets if budgets is not None else [sampling.max_new_tokens] * len(prompts)
+        i = max(range(len(prompts)), key=lambda k: len(prompts[k]) + caps[k])
+        if len(prompts[i]) + caps[i] > max_model_len:
+            raise RolloutError(f"prompt length {len(prompts[i])} + max_new_tokens {caps[i]} exceeds "
                                f"the engine's max_model_len {max_model_len}")

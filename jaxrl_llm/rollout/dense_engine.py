@@ -32,7 +32,7 @@ from jaxrl_llm import distributed
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.rollout import decode
 from jaxrl_llm.rollout.base import RolloutBatch, SamplingParams
-from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets
+from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets, row_streams
 
 log = logging.getLogger(__name__)
 
@@ -118,20 +118,23 @@ class DenseJaxEngine(EngineWeights):
         return decode.compact(state, caches, start, sel, filler, capacity, shards=sel.shape[0])
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-                 max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
+                 max_new_tokens_per_row: Sequence[int] | None = None,
+                 seeds: Sequence[int] | None = None) -> RolloutBatch:
         """Samples `sampling.n` responses for every prompt (prompt-major order in the result).
 
         `max_new_tokens_per_row` optionally caps each response row (len(prompts) * n values, each
-        <= sampling.max_new_tokens), like per-request budgets in vLLM.
+        <= sampling.max_new_tokens), like per-request budgets in vLLM. `seeds` optionally names each
+        row's random stream (len(prompts) * n ints in [0, 2**31); default: the row's index).
         """
-        spec = self._request_spec(prompts, sampling)
         n = sampling.n
+        row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, sampling.max_new_tokens)
+        spec = self._request_spec(prompts, sampling, row_max)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         per_chunk = max(1, self.max_batch_size // n)
         tokens = np.full((len(prompts) * n, spec.max_new_tokens), spec.pad_id, np.int32)
         logps = np.zeros(tokens.shape, np.float32)
         lengths = np.zeros(len(prompts) * n, np.int32)
-        row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, spec.max_new_tokens)
+        streams = row_streams(seeds, len(prompts) * n)
         key = jax.random.key(sampling.seed)
         self.last_trace = []
         longest = max(len(p) for p in prompts)
@@ -140,7 +143,7 @@ class DenseJaxEngine(EngineWeights):
         for start in range(0, len(order), per_chunk):
             chunk = order[start:start + per_chunk]
             rows = (np.asarray(chunk)[:, None] * n + np.arange(n)[None, :]).reshape(-1)
-            out = self._generate_chunk([prompts[i] for i in chunk], spec, n, key, row_max[rows], rows)
+            out = self._generate_chunk([prompts[i] for i in chunk], spec, n, key, row_max[rows], streams[rows])
             tokens[rows], logps[rows], lengths[rows] = out[:3]
             if routed is not None:  # sequence layout: the prompt's tokens, then the response's
                 prompt_routes, resp_routes = out[3]

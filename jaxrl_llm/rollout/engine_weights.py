@@ -126,10 +126,12 @@ class EngineWeights:
             num_moe_layers=len(self.cfg.layer_stacks["layers"]) if self.cfg.is_moe else 0,
             record_routing=bool(sampling.return_routed_experts) and self.cfg.is_moe)
 
-    def _request_spec(self, prompts, sampling: SamplingParams) -> decode.DecodeSpec:
-        """Checks a request before any work (one clear error per problem); returns its decode spec."""
+    def _request_spec(self, prompts, sampling: SamplingParams, row_max=None) -> decode.DecodeSpec:
+        """Checks a request before any work (one clear error per problem); returns its decode spec.
+        `row_max` [len(prompts) * n] are the rows' own token caps, when they have them."""
+        budgets = row_max.reshape(len(prompts), -1).max(-1).tolist() if row_max is not None and row_max.size else None
         check_prompts(prompts, self.max_prompt_length, self.cfg.vocab_size, sampling,
-                      self.cfg.max_position_embeddings)
+                      self.cfg.max_position_embeddings, budgets=budgets)
         if self.params is None:
             raise RuntimeError(f"{type(self).__name__} has no weights; call update_weights(params) first")
         return self._spec(sampling, self.decode_attention)
@@ -149,6 +151,23 @@ def row_budgets(max_new_tokens_per_row, rows: int, max_new_tokens: int) -> np.nd
     if out.shape != (rows,):
         raise RolloutError(f"max_new_tokens_per_row has {out.size} values; need len(prompts) * n = {rows}")
     return out
+
+
+def row_streams(seeds, rows: int) -> np.ndarray:
+    """[rows] int32 ids of each response row's random stream: row r draws token t from
+    fold_in(fold_in(key(sampling.seed), streams[r]), t). The default is the row's index in the request;
+    a caller that samples the same logical row in several calls (the agent loop's turns) passes its own,
+    so a row's draws do not depend on which other rows share the call."""
+    from jaxrl_llm.rollout.base import RolloutError
+
+    if seeds is None:
+        return np.arange(rows, dtype=np.int32)
+    out = np.asarray(seeds, np.int64)
+    if out.shape != (rows,):
+        raise RolloutError(f"seeds has {out.size} values; need len(prompts) * n = {rows}")
+    if out.size and (out.min() < 0 or out.max() >= 2**31):
+        raise RolloutError("seeds must be in [0, 2**31): each one seeds a row's stream through fold_in")
+    return out.astype(np.int32)
 
 
 def layer_slots(cfg: Qwen2Config) -> list[tuple[str, int]]:

@@ -17,7 +17,8 @@ Per `generate` call:
 
 Greedy tokens and log-probs equal the dense engine's (rollout/dense_engine.py) and transformers'.
 Random draws too: row r's token t is drawn from fold_in(fold_in(key(seed), r), t) in both engines,
-whatever batch or slot it ran in and however often it was preempted.
+whatever batch or slot it ran in and however often it was preempted (`seeds` replaces r by the caller's
+own stream id, as the agent loop does for each turn of a trajectory).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from jaxrl_llm import distributed
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.rollout import paged_decode
 from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams
-from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets
+from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets, row_streams
 from jaxrl_llm.rollout.page_pool import KvBudget, PagePool, kv_bytes_per_token, pages_for, size_pool
 from jaxrl_llm.rollout.programs import Programs, default_dir
 from jaxrl_llm.rollout.routing import record_routes, routed_experts_of_rows
@@ -236,17 +237,20 @@ class JaxEngine(EngineWeights):
 
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-                 max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
+                 max_new_tokens_per_row: Sequence[int] | None = None,
+                 seeds: Sequence[int] | None = None) -> RolloutBatch:
         """Samples `sampling.n` responses for every prompt (prompt-major order in the result).
 
         `max_new_tokens_per_row` optionally caps each response row (len(prompts) * n values, each
-        <= sampling.max_new_tokens), like per-request budgets in vLLM.
+        <= sampling.max_new_tokens), like per-request budgets in vLLM. `seeds` optionally names each
+        row's random stream (len(prompts) * n ints in [0, 2**31); default: the row's index).
         """
-        spec = self._request_spec(prompts, sampling)
         n = sampling.n
-        row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, spec.max_new_tokens)
-        rows = [Row(rid=i * n + j, prompt=i, ids=list(map(int, prompts[i])), max_tokens=int(row_max[i * n + j]))
-                for i in range(len(prompts)) for j in range(n)]
+        row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, sampling.max_new_tokens)
+        spec = self._request_spec(prompts, sampling, row_max)
+        streams = row_streams(seeds, len(prompts) * n)
+        rows = [Row(rid=i * n + j, prompt=i, ids=list(map(int, prompts[i])), max_tokens=int(row_max[i * n + j]),
+                    stream=int(streams[i * n + j])) for i in range(len(prompts)) for j in range(n)]
         if spec.record_routing:
             for r in rows:
                 r.routes = np.full((len(r.ids) + r.max_tokens, spec.num_moe_layers, spec.moe_top_k), -1, np.int32)
@@ -395,7 +399,7 @@ class JaxEngine(EngineWeights):
                 continue
             pages = [self._local(pool, p) for p in r.pages[:width]]
             tables[i, : len(pages)] = pages
-            pos[i], last[i], t[i], row_max[i], rids[i] = r.context_len, r.pending, len(r.tokens), r.max_tokens, r.rid
+            pos[i], last[i], t[i], row_max[i], rids[i] = r.context_len, r.pending, len(r.tokens), r.max_tokens, r.stream
             active[i] = True
         args = (self.params, self._pool, self._put(tables), self._put(pos), self._put(last), self._put(t),
                 self._put(row_max), self._put(active), self._put(rids), self._put(np.zeros(s, np.int32)), key,

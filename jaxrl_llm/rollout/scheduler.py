@@ -42,6 +42,7 @@ class Row:
     prompt: int  # which prompt it answers
     ids: list[int]  # the prompt's token ids
     max_tokens: int
+    stream: int = 0  # seeds the row's random draws (the engine's `seeds`; its rid by default)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
     finished: bool = False

@@ -32,6 +32,7 @@ import numpy as np
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.models.errors import ConfigError
 from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams, check_prompts
+from jaxrl_llm.rollout.engine_weights import row_budgets, row_streams
 from jaxrl_llm.rollout.vllm_worker import DEFAULT_ENV, VllmActor
 
 log = logging.getLogger(__name__)
@@ -335,11 +336,16 @@ class VllmPool:
         stops = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.cfg.eos_token_ids)
         return tuple(sorted(set(int(t) for t in stops)))
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                 max_new_tokens_per_row: Sequence[int] | None = None,
+                 seeds: Sequence[int] | None = None) -> RolloutBatch:
         """Samples `sampling.n` responses for every prompt (prompt-major order in the result).
 
         Logprobs are log softmax(logits / T) of each sampled token over the full vocabulary (before
-        top-k/top-p), T = 1 when greedy, as `JaxEngine` and the trainer compute them.
+        top-k/top-p), T = 1 when greedy, as `JaxEngine` and the trainer compute them. As in the JAX
+        engines, `max_new_tokens_per_row` caps each row and `seeds` names each row's random stream
+        (len(prompts) * n values each; with n > 1 a prompt's rows must have consecutive seeds, as vLLM
+        seeds response j of a request with seed + j).
         """
         if not self._actors:
             raise RuntimeError("this VllmPool was shut down")
@@ -348,23 +354,30 @@ class VllmPool:
                                "(SamplingParams.return_routed_experts); routing replay R3 "
                                "(actor.router_replay.mode = 'R3') needs the JAX engine (rollout.engine = 'jax')")
         prompts = [[int(t) for t in p] for p in prompts]
-        check_prompts(prompts, self.max_prompt_length, self.cfg.vocab_size, sampling, self.max_model_len)
         n = sampling.n
         stops = self._stop_ids(sampling)
-        # Seeds depend on the prompt's global index, not on how prompts are split between actors.
-        seeds = [((sampling.seed << 32) + i * n) & (2**63 - 1) for i in range(len(prompts))]
+        rows = len(prompts) * n
+        budgets = row_budgets(max_new_tokens_per_row, rows, sampling.max_new_tokens)[::n].tolist()
+        check_prompts(prompts, self.max_prompt_length, self.cfg.vocab_size, sampling, self.max_model_len,
+                      budgets=budgets)
+        streams = row_streams(seeds, rows)
+        if n > 1 and np.any(streams.reshape(-1, n) - streams[::n, None] != np.arange(n)):
+            raise RolloutError("seeds: with n > 1 the rows of a prompt need consecutive seeds (s, s + 1, ...)")
+        # Seeds depend on the row's stream (its global index by default), not on how prompts are split
+        # between actors.
+        seeds = [((sampling.seed << 32) + int(s)) & (2**63 - 1) for s in streams[::n]]
         parts = _chunks(len(prompts), len(self._actors))
 
         def call(actor, slot):
             rng = parts[slot]
             request = dict(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                            max_new_tokens=sampling.max_new_tokens, stop_token_ids=stops,
-                           ignore_eos=sampling.ignore_eos, seeds=seeds[rng.start:rng.stop])
+                           ignore_eos=sampling.ignore_eos, seeds=seeds[rng.start:rng.stop],
+                           max_tokens=budgets[rng.start:rng.stop])
             return actor.generate.remote(prompts[rng.start:rng.stop], request)
 
         per_slot = self._run(call, list(range(len(parts))), "generate")
         responses = [r for slot in range(len(parts)) for per_prompt in per_slot[slot] for r in per_prompt]
-        rows = len(prompts) * n
         if len(responses) != rows:
             raise VllmPoolError(f"generate: expected {rows} responses, the actors returned {len(responses)}")
         lengths = np.asarray([len(toks) for toks, _, _ in responses], np.int32)  # [R]

@@ -304,7 +304,8 @@ class VllmActor:
         Args:
           prompts: token ids, one list per prompt.
           request: n, temperature, top_p, top_k, max_new_tokens, stop_token_ids, ignore_eos, and
-            seeds (one per prompt; response j of a prompt uses seed + j).
+            seeds (one per prompt; response j of a prompt uses seed + j), and optionally max_tokens
+            (one per prompt, each <= max_new_tokens).
         Returns:
           per prompt, n (tokens, logprobs, finish_reason); logprobs are log softmax(logits / T) of
           each sampled token (T = 1 when greedy).
@@ -321,11 +322,12 @@ class VllmActor:
         n = int(request["n"])
         # vLLM refuses n > 1 when greedy; the n greedy responses are one response, repeated.
         n_vllm = n if temperature > 0 else 1
+        budgets = request.get("max_tokens") or [request["max_new_tokens"]] * len(prompts)
         params = [vllm.SamplingParams(
             n=n_vllm, temperature=1.0 if temperature > 0 else 0.0, top_p=float(request["top_p"]),
-            top_k=top_k if top_k > 0 else -1, max_tokens=int(request["max_new_tokens"]),
+            top_k=top_k if top_k > 0 else -1, max_tokens=int(budget),
             stop_token_ids=list(request["stop_token_ids"]), ignore_eos=bool(request["ignore_eos"]),
-            seed=int(seed), logprobs=0, detokenize=False) for seed in request["seeds"]]
+            seed=int(seed), logprobs=0, detokenize=False) for seed, budget in zip(request["seeds"], budgets)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                  use_tqdm=False, lora_request=self._lora)
         result = []

@@ -51,6 +51,14 @@ class TrainBatch:
 
     @property
     def response_lengths(self) -> np.ndarray:
+        """[R] tokens of each response in its sequence: up to its last mask-1 token. A multi-turn response
+        holds tool turns with mask 0 inside it, so this can exceed `loss_token_counts`."""
+        m = self.response_mask > 0
+        return np.where(m.any(-1), m.shape[1] - np.argmax(m[:, ::-1], -1), 0).astype(np.int32)
+
+    @property
+    def loss_token_counts(self) -> np.ndarray:
+        """[R] mask-1 (sampled assistant) tokens of each response: the ones losses and metrics count."""
         return self.response_mask.sum(-1).astype(np.int32)
 
     @property
@@ -152,10 +160,11 @@ def build_micro_batch(batch: TrainBatch, placements: list[tuple[int, int, int]],
     seq_ids = np.full((s_max,), -1, np.int32)
     seq_start = np.zeros((s_max,), np.int32)
     seg_count = np.zeros(rows, np.int32)
+    lengths = batch.response_lengths  # [R] whole responses, tool turns included
     for slot, (i, row, off) in enumerate(placements):
         prompt = batch.prompt_ids[i]
         lp = len(prompt)
-        lr = int(batch.response_mask[i].sum())
+        lr = int(lengths[i])
         seq = np.concatenate([prompt, batch.responses[i, :lr]]).astype(np.int32)
         n = lp + lr
         seg_count[row] += 1

@@ -13,6 +13,7 @@ import os
 
 import gin
 
+from jaxrl_llm.agent.config import MultiTurnConfig
 from jaxrl_llm.algorithms.rollout_correction import RolloutCorrectionConfig
 from jaxrl_llm.trainer.config_check import ConfigValueError, check_types
 from jaxrl_llm.trainer.config_check import check as _check
@@ -66,7 +67,7 @@ class ModelConfig:
 @gin.configurable("data")
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """veRL's `data.*`. `source` is "files" (parquet/jsonl in veRL schema) or "arithmetic" (the demo)."""
+    """veRL's `data.*`. `source`: "files" (parquet/jsonl in veRL schema), or a demo: "arithmetic", "multiply"."""
 
     source: str = "files"
     train_files: tuple[str, ...] = ()
@@ -82,8 +83,7 @@ class DataConfig:
     arithmetic_max_operand: int = 9  # demo task only
 
     def validate(self):
-        _check(self.source in ("files", "arithmetic"), "data.source", f"{self.source!r} is not 'files' or "
-               "'arithmetic'")
+        _check(self.source in ("files", "arithmetic", "multiply"), "data.source", f"{self.source!r}; use 'files'")
         if self.source == "files":
             _check(bool(self.train_files), "data.train_files", "no training files given")
         _check(self.train_batch_size >= 1, "data.train_batch_size", "must be >= 1")
@@ -129,9 +129,11 @@ class RolloutConfig:
     # Token budget of one micro-batch a device in the old/reference log-prob (and value) passes; None:
     # twice actor.ppo_max_token_len_per_gpu (a forward pass keeps no activations for a backward one).
     log_prob_max_token_len_per_gpu: int | None = None
+    multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)  # rollout.multi_turn.*
 
     def validate(self):
         _check(self.engine in ("jax", "vllm"), "rollout.engine", f"{self.engine!r}; use 'jax' or 'vllm'")
+        self.multi_turn.validate()
         _check(not self.weights_dir or os.path.isdir(self.weights_dir), "rollout.weights_dir",
                f"{self.weights_dir!r} is not a directory; give an existing one ('/dev/shm' on one host, a shared "
                "file system across hosts) or '' for <run_dir>/weights")
@@ -208,12 +210,10 @@ class ActorConfig:
                f"{self.loss_scale_factor}; need >= 1 (or None: the max response length)")
 
     @property
-    def low(self) -> float:
+    def low(self) -> float:  # the PPO clip range below and above 1
         return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
 
-    @property
-    def high(self) -> float:
-        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+    high = property(lambda self: self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high)
 
 
 @gin.configurable("policy_loss", module="actor")

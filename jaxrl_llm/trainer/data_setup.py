@@ -13,10 +13,10 @@ log = logging.getLogger(__name__)
 
 def load_tokenizer(run: RunConfig):
     """The demo's built-in tokenizer, or a HF tokenizer from `tokenizer_path` (default: the model path)."""
-    if run.data.source == "arithmetic":
-        from jaxrl_llm.data.arithmetic import build_tokenizer
+    if run.data.source in ("arithmetic", "multiply"):
+        from jaxrl_llm.data import arithmetic, multiply
 
-        return build_tokenizer()
+        return (arithmetic if run.data.source == "arithmetic" else multiply).build_tokenizer()
     import transformers
 
     path = run.model.tokenizer_path or run.model.path
@@ -29,10 +29,16 @@ def load_tokenizer(run: RunConfig):
         raise ConfigValueError(f"model.tokenizer_path: cannot load a tokenizer from {path!r} ({e})") from None
 
 
-def build_datasets(run: RunConfig, tokenizer):
-    """(train dataset, val dataset or None, PromptIterator over train)."""
+def build_datasets(run: RunConfig, tokenizer, tools: list[dict] | None = None):
+    """(train dataset, val dataset or None, PromptIterator over train); `tools` are the tool schemas the
+    chat template shows a multi-turn run's prompts."""
     d = run.data
-    if d.source == "arithmetic":
+    if d.source == "multiply":
+        from jaxrl_llm.data.multiply import MultiplyDataset
+
+        train = MultiplyDataset(tokenizer, split="train")
+        val = MultiplyDataset(tokenizer, split="test")
+    elif d.source == "arithmetic":
         from jaxrl_llm.data.arithmetic import ArithmeticDataset
 
         train = ArithmeticDataset(tokenizer, max_operand=d.arithmetic_max_operand, split="train")
@@ -40,8 +46,9 @@ def build_datasets(run: RunConfig, tokenizer):
     else:
         expand = lambda files: [os.path.expanduser(f) for f in files]
         train = PromptDataset(expand(d.train_files), tokenizer, max_prompt_length=d.max_prompt_length,
-                              prompt_key=d.prompt_key)
+                              prompt_key=d.prompt_key, tools=tools)
         val = (PromptDataset(expand(d.val_files), tokenizer, max_prompt_length=d.max_prompt_length,
-                             prompt_key=d.prompt_key, max_samples=d.val_max_samples) if d.val_files else None)
+                             prompt_key=d.prompt_key, max_samples=d.val_max_samples, tools=tools)
+               if d.val_files else None)
     iterator = PromptIterator(train, d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
     return train, val, iterator

@@ -27,6 +27,7 @@ import numpy as np
 
 import jaxrl_llm
 from jaxrl_llm import distributed
+from jaxrl_llm.agent.config import engine_prompt_length, make_tool_runner
 from jaxrl_llm.algorithms import make_kl_controller
 from jaxrl_llm.checkpoint import resolve_resume
 from jaxrl_llm.rewards import CustomRewardFunction, RewardManager, apply_overlong_penalty, overlong_metrics
@@ -34,7 +35,7 @@ from jaxrl_llm.rollout import RolloutBatch, SamplingParams
 from jaxrl_llm.trainer import metrics as M
 from jaxrl_llm.trainer import router_replay
 from jaxrl_llm.trainer.batch import TrainBatch
-from jaxrl_llm.trainer.config import RunConfig
+from jaxrl_llm.trainer.config import ConfigValueError, RunConfig
 from jaxrl_llm.trainer.data_setup import build_datasets, load_tokenizer
 from jaxrl_llm.trainer.dynamic_sampling import GroupFilter, ScoredDraw, draw_seed, extra_info_fields
 from jaxrl_llm.trainer.loggers import MetricsLogger
@@ -48,8 +49,10 @@ log = logging.getLogger(__name__)
 
 def build_train_batch(prompts: list[dict], rollout: RolloutBatch, max_response_length: int,
                       max_prompt_length: int = 0) -> TrainBatch:
-    """Response-layout arrays of a rollout: responses [R, Tr], mask, group ids, sampler logprobs; and the
-    sampler's MoE routing when it returned it (routing replay R3), [R, max_prompt_length + Tr, L_moe, k]."""
+    """Response-layout arrays of a rollout: responses [R, Tr], mask, group ids, sampler logprobs; the
+    sampler's MoE routing when it returned it (routing replay R3), [R, max_prompt_length + Tr, L_moe, k]. A
+    multi-turn rollout (`AgentBatch`) keeps its tool turns in `responses` under mask 0, and brings its
+    per-response tool statistics as [R] fields (`num_turns`, `tool_calls`, `tool_rewards`)."""
     r = len(rollout)
     tr = max_response_length
     lengths = np.minimum(rollout.lengths, tr)
@@ -58,16 +61,32 @@ def build_train_batch(prompts: list[dict], rollout: RolloutBatch, max_response_l
     width = min(tr, rollout.tokens.shape[1])
     responses[:, :width] = rollout.tokens[:, :width]
     logps[:, :width] = rollout.logprobs[:, :width]
-    mask = (np.arange(tr)[None, :] < lengths[:, None]).astype(np.float32)
-    responses *= mask.astype(np.int32)
+    inside = (np.arange(tr)[None, :] < lengths[:, None]).astype(np.float32)  # [R, Tr] the response's tokens
+    mask = inside.copy()
+    fields = {}
+    if getattr(rollout, "loss_mask", None) is not None:  # an AgentBatch: mask-0 tool turns inside
+        mask[:, :width] *= rollout.loss_mask[:, :width]
+        fields = {"num_turns": rollout.num_turns.astype(np.float32), "tool_calls": rollout.tool_calls,
+                  "tool_rewards": rollout.tool_rewards}
+    responses *= inside.astype(np.int32)
     logps *= mask
     prompt_ids = [np.asarray(prompts[i]["prompt_ids"], np.int32) for i in rollout.prompt_index]
-    fields = {"rollout_log_probs": logps}
-    if rollout.routed_experts is not None:
+    fields["rollout_log_probs"] = logps
+    if getattr(rollout, "routed_experts", None) is not None:
         width = max(max_prompt_length, max(len(p) for p in prompt_ids)) + tr
         fields[router_replay.FIELD] = router_replay.to_train_layout(rollout.routed_experts, width)
     return TrainBatch(prompt_ids=prompt_ids, responses=responses, response_mask=mask,
                       group_ids=rollout.prompt_index.astype(np.int32), fields=fields)
+
+
+def response_items(prompts: list[dict], rollout: RolloutBatch) -> list[dict]:
+    """The dataset row of each response; a multi-turn response's row carries veRL's `num_turns` and
+    `rollout_reward_scores` (its tools' rewards) in extra_info, for the reward function."""
+    if getattr(rollout, "loss_mask", None) is None:
+        return [prompts[i] for i in rollout.prompt_index]
+    return [{**prompts[i], "extra_info": {**(prompts[i].get("extra_info") or {}), "num_turns": int(turns),
+                                          "rollout_reward_scores": {"tools": float(reward)}}}
+            for i, turns, reward in zip(rollout.prompt_index, rollout.num_turns, rollout.tool_rewards)]
 
 
 @dataclasses.dataclass
@@ -91,7 +110,9 @@ class RLTrainer:
         resolve_resume(run.trainer.resume_mode, self.run_dir)  # a bad path fails before any work
         os.makedirs(self.run_dir, exist_ok=True)
         self.tokenizer = load_tokenizer(run)
-        self.train_data, self.val_data, self.iterator = build_datasets(run, self.tokenizer)
+        self.tools = make_tool_runner(run.rollout.multi_turn) if run.rollout.multi_turn.enable else None
+        self.train_data, self.val_data, self.iterator = build_datasets(
+            run, self.tokenizer, tools=self.tools.schemas if self.tools else None)
         t = run.trainer
         self.total_steps = t.total_training_steps or self.iterator.steps_per_epoch * t.total_epochs
         custom = (CustomRewardFunction(run.reward.custom_reward_path, run.reward.custom_reward_name)
@@ -118,6 +139,7 @@ class RLTrainer:
             self.lora = lora_spec(run)
             self.sync_adapters = self.use_pool and self.lora is not None and not run.rollout.lora_merge
             self.pool = self._make_vllm_pool() if self.use_pool else None  # on process 0 only
+            self.agent = self._make_agent_loop() if self.tools else None
         except BaseException:
             # Let Orbax's background threads finish before the caller may remove the run dir.
             self.worker.call("close_checkpointer")
@@ -186,7 +208,7 @@ class RLTrainer:
         d = self.run.data
         lora = self.lora if self.sync_adapters else None
         pool = VllmPool(self.worker.call("model_config"), num_workers=self.run.rollout.vllm_workers,
-                        weights_dir=self.weights_dir, max_prompt_length=d.max_prompt_length,
+                        weights_dir=self.weights_dir, max_prompt_length=engine_prompt_length(self.run),
                         max_model_len=d.max_prompt_length + d.max_response_length, dtype=self.run.model.dtype,
                         seed=d.seed, lora_rank=lora.rank if lora else 0, lora_targets=lora.targets if lora else ())
         if adapter is not None:
@@ -208,8 +230,24 @@ class RLTrainer:
         if self.main and self.use_pool and self.run.rollout.weights_dir:
             shutil.rmtree(self._weights_dir(), ignore_errors=True)
 
+    def _make_agent_loop(self):
+        """The multi-turn agent loop over this run's engine (`rollout.multi_turn.enable`)."""
+        from jaxrl_llm.agent.formats import get_format
+        from jaxrl_llm.agent.loop import AgentLoop
+
+        if not self.use_pool and distributed.process_count() > 1:
+            raise ConfigValueError("rollout.multi_turn.enable: a multi-process run drives multi-turn rollouts "
+                                   "from process 0 only; use rollout.engine = 'vllm' (or one process)")
+        engine = self.pool.generate if self.use_pool else lambda *a, **k: self.worker.call("generate", *a, **k)
+        mt = self.run.rollout.multi_turn
+        return AgentLoop(engine, self.tokenizer, self.tools, get_format(mt.format), mt,
+                         max_response_length=self.run.data.max_response_length)
+
     def generate(self, prompts: list[dict], sampling: SamplingParams) -> RolloutBatch:
+        """`sampling.n` responses a prompt; with multi-turn on, the agent loop's trajectories."""
         ids = [p["prompt_ids"] for p in prompts]
+        if self.agent is not None:  # process 0 runs the loop and its tools; every process gets the rollout
+            return distributed.broadcast_object(self.agent.run(prompts, sampling) if self.main else None)
         if self.use_pool:  # process 0 drives the pool; every process gets its rollout
             return distributed.broadcast_object(self.pool.generate(ids, sampling) if self.main else None)
         return self.worker.call("generate", ids, sampling)
@@ -247,21 +285,23 @@ class RLTrainer:
         with timer("gen"):
             sampled = self.generate(prompts, self.sampling(step, draw=draw))
         out = Rollout(build_train_batch(prompts, sampled, max_len, self.run.data.max_prompt_length),
-                      [prompts[i] for i in sampled.prompt_index])
+                      response_items(prompts, sampled))
         if self.run.algo.adv_estimator == "remax":
             with timer("gen_max"):
                 greedy = self.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_len,
                                                                seed=draw_seed(self.run.data.seed, step, draw)))
             out.greedy = build_train_batch(prompts, greedy, max_len)
-            out.greedy_items = [prompts[i] for i in greedy.prompt_index]
+            out.greedy_items = response_items(prompts, greedy)
         return out
 
     def score(self, items: list[dict], batch: TrainBatch, device_done=None) -> ScoredDraw:
         """Scores of every response (this process scores its share; the shares are gathered), with DAPO's
         overlong penalty added when `reward.reward_kwargs.overlong_buffer_cfg.enable` (train and validation,
         as veRL's DAPO reward manager)."""
-        out = self.scorer.score(items, batch.responses, batch.response_lengths, device_done=device_done)
+        out = self.scorer.score(items, batch.responses, batch.response_mask, device_done=device_done)
         scores, extras = out.scores, dict(out.extra_info)
+        if "tool_rewards" in batch.fields and self.run.rollout.multi_turn.tool_reward_weight:
+            scores = scores + self.run.rollout.multi_turn.tool_reward_weight * batch.fields["tool_rewards"]
         ob = self.run.overlong_buffer
         if ob.enable:
             scores, shaping = apply_overlong_penalty(scores, batch.response_lengths, buffer_len=ob.len, log=ob.log,
@@ -375,6 +415,8 @@ class RLTrainer:
             if run.trainer.dump_batches:
                 self._dump_batch(batch, step)
             self._update(batch, step, timer, metrics)
+        if self.agent is not None:
+            metrics.update(self.agent.last_metrics)
         if "entropy" in out:
             metrics["actor/entropy_rollout"] = float(np.sum(out["entropy"]) / max(batch.response_mask.sum(), 1))
         return self._step_metrics(metrics, batch, timer, step)
@@ -421,7 +463,7 @@ class RLTrainer:
         for start in range(0, len(items), bs):
             chunk = items[start:start + bs]
             rollout = self.generate(chunk, self.sampling(0, validate=True))
-            rows = [chunk[i] for i in rollout.prompt_index]
+            rows = response_items(chunk, rollout)
             scored = self.score(rows, build_train_batch(chunk, rollout, self.run.data.max_response_length))
             results.add([r["data_source"] for r in rows], (start + rollout.prompt_index).tolist(), scored.scores,
                         scored.extra_info)
@@ -457,6 +499,8 @@ class RLTrainer:
         finally:
             self.logger.close()
             self.rewards.close()
+            if self.tools is not None:
+                self.tools.close()
             if self.pool is not None:
                 self.pool.shutdown()
             self._remove_weights_dir()

@@ -65,10 +65,12 @@ def data_metrics(batch, *, max_response_length: int, max_prompt_length: int, use
         ret = f["returns"][mask]
         var = np.var(ret)
         out["critic/vf_explained_var"] = float(1.0 - np.var(ret - vals) / (var + 1e-5))
-    rl = batch.response_lengths.astype(np.float64)
+    # Lengths count the sampled (mask-1) tokens; a multi-turn response's tool turns are left out, but
+    # they count towards max_response_length, so the clip ratio reads the whole response.
+    rl = batch.loss_token_counts.astype(np.float64)
     pl = batch.prompt_lengths.astype(np.float64)
     out.update(_stats("response_length", rl))
-    out["response_length/clip_ratio"] = float(np.mean(rl == max_response_length))
+    out["response_length/clip_ratio"] = float(np.mean(batch.response_lengths >= max_response_length))
     out.update(_stats("prompt_length", pl))
     out["prompt_length/clip_ratio"] = float(np.mean(pl == max_prompt_length))
     return out

@@ -36,6 +36,14 @@ class StepScores:
     exposed_s: float = 0.0
 
 
+def assistant_spans(ids: np.ndarray, mask: np.ndarray) -> list[np.ndarray]:
+    """The runs of mask-1 tokens of one response ([T] ids and mask): its assistant turns (one run for a
+    single-turn response)."""
+    m = np.concatenate([[0], (np.asarray(mask) > 0).astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(m))  # starts and ends of the runs, alternating
+    return [ids[a:b] for a, b in zip(edges[::2], edges[1::2])]
+
+
 def decode_responses(tokenizer, sequences: Sequence[Sequence[int]]) -> list[str]:
     """Response texts without special tokens; the Rust batch decoder of a fast tokenizer (parallel,
     several times faster than `batch_decode`) when it gives the same text."""
@@ -53,15 +61,16 @@ class StepScorer:
         self.rewards = rewards
         self.chunk = chunk
 
-    def score(self, items: Sequence[dict], responses: np.ndarray, lengths: np.ndarray,
+    def score(self, items: Sequence[dict], responses: np.ndarray, mask: np.ndarray,
               device_done: Callable[[], bool] | None = None) -> StepScores:
-        """Scores response i (token ids `responses[i, :lengths[i]]`) against `items[i]` (a dataset row:
-        data_source, ground_truth, extra_info).
+        """Scores response i against `items[i]` (a dataset row: data_source, ground_truth, extra_info).
+        The text scored is the assistant's alone: the mask-1 tokens of each turn decoded, the turns joined
+        by newlines (a tool's output never reaches the reward).
 
         Args:
           items: [R] dataset rows, one per response.
           responses: [R, T] int token ids.
-          lengths: [R] valid length of each response.
+          mask: [R, T] the loss mask (1 on sampled assistant tokens).
           device_done: polled between chunks; True once the device work that scoring overlaps is done.
         """
         share = distributed.share(len(items))
@@ -72,7 +81,10 @@ class StepScorer:
             if ready_at is None and device_done is not None and device_done():
                 ready_at = time.perf_counter()
             rows = idx[c0:c0 + self.chunk]
-            texts = decode_responses(self.tokenizer, [responses[i, : lengths[i]] for i in rows])
+            spans = [assistant_spans(responses[i], mask[i]) for i in rows]
+            flat = decode_responses(self.tokenizer, [s for turns in spans for s in turns])
+            bounds = np.cumsum([0] + [len(turns) for turns in spans])
+            texts = ["\n".join(flat[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
             its = [items[i] for i in rows]
             out = self.rewards.score_batch([it["data_source"] for it in its], texts,
                                            [it["ground_truth"] for it in its], [it.get("extra_info") for it in its])

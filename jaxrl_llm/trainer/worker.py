@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import distributed, sharding
+from jaxrl_llm.agent.config import engine_prompt_length
 from jaxrl_llm.algorithms import (
     LossNorm,
     get_adv_estimator,
@@ -100,7 +101,7 @@ class TrainerWorker:
         self.engine = None
         if run.rollout.engine == "jax":
             self.engine = make_jax_engine(self.cfg, self.actor.merged(), self.mesh, rollout=run.rollout,
-                                          max_prompt_length=run.data.max_prompt_length)
+                                          max_prompt_length=engine_prompt_length(run))
 
     # The train states ({"params", "opt_state", "step", "skipped"}: what checkpoints hold), by role.
     @property
@@ -284,8 +285,9 @@ class TrainerWorker:
         return self.finish_forward_passes()
 
     # ---- the RL step -----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
-        return self.engine.generate(prompts, sampling)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens_per_row=None,
+                 seeds=None) -> RolloutBatch:
+        return self.engine.generate(prompts, sampling, max_new_tokens_per_row=max_new_tokens_per_row, seeds=seeds)
 
     def compute_log_prob(self, batch: TrainBatch) -> dict[str, np.ndarray]:
         """Old log-probs and entropy of the current actor ([R, Tr] each)."""

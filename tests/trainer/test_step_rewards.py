@@ -38,7 +38,8 @@ def test_chunked_scores_and_extras_equal_one_call(tokenizer):
         responses[i, : len(x)] = x
     items = [{"data_source": "custom", "ground_truth": str(i % 3), "extra_info": {}} for i in range(40)]
     rewards = RewardManager(_reward_with_extras)
-    got = StepScorer(tokenizer, rewards, chunk=7).score(items, responses, lengths)
+    mask = (np.arange(responses.shape[1])[None] < lengths[:, None]).astype(np.float32)
+    got = StepScorer(tokenizer, rewards, chunk=7).score(items, responses, mask)
     want = rewards.score_batch(["custom"] * 40, texts, [it["ground_truth"] for it in items], [{}] * 40)
     np.testing.assert_array_equal(got.scores, want.scores)
     assert got.metrics == want.metrics
@@ -46,16 +47,32 @@ def test_chunked_scores_and_extras_equal_one_call(tokenizer):
     assert len(got.extra_info["acc"]) == 40 and got.exposed_s == 0.0
 
 
+def test_multi_turn_responses_score_the_assistant_turns_alone(tokenizer):
+    """Mask-0 spans (tool turns) never reach the reward; the assistant's turns are joined by newlines."""
+    enc = lambda t: tokenizer(t, add_special_tokens=False)["input_ids"]
+    turns, tool = [enc("I will call the tool."), enc("#### 42")], enc("<tool_response>#### 41</tool_response>")
+    ids = np.asarray([turns[0] + tool + turns[1] + [0, 0]])
+    mask = np.asarray([[1] * len(turns[0]) + [0] * len(tool) + [1] * len(turns[1]) + [0, 0]], np.float32)
+    seen = []
+
+    def reward(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(solution_str)
+        return 1.0
+
+    StepScorer(tokenizer, RewardManager(reward)).score([{"data_source": "x", "ground_truth": "42"}], ids, mask)
+    assert seen == ["I will call the tool.\n#### 42"]
+
+
 def test_exposed_time_counts_scoring_after_the_device_is_done(tokenizer):
     items = [{"data_source": "openai/gsm8k", "ground_truth": "1"}] * 64
     responses = np.full((64, 50), 1000, np.int64)
-    lengths = np.full(64, 50)
+    mask = np.ones((64, 50), np.float32)
     scorer = StepScorer(tokenizer, RewardManager(), chunk=8)
-    busy = scorer.score(items, responses, lengths, device_done=lambda: False)
-    done = scorer.score(items, responses, lengths, device_done=lambda: True)
+    busy = scorer.score(items, responses, mask, device_done=lambda: False)
+    done = scorer.score(items, responses, mask, device_done=lambda: True)
     assert busy.exposed_s == 0.0 and done.exposed_s > 0.0
     calls = iter(range(100))
-    half = scorer.score(items, responses, lengths, device_done=lambda: next(calls) >= 4)  # done mid-way
+    half = scorer.score(items, responses, mask, device_done=lambda: next(calls) >= 4)  # done mid-way
     assert half.exposed_s > 0.0
 
 
