@@ -429,7 +429,7 @@ class RunConfig:
                      self.policy_loss, self.rollout_correction):
             part.validate()
         self.overlong_buffer.validate(self.data.max_response_length)
-        self.router_replay.validate(self.rollout.engine)
+        self.router_replay.validate(self.rollout.engine, self.rollout.multi_turn.enable)
         _check(self.actor.ppo_mini_batch_size <= self.data.train_batch_size, "actor.ppo_mini_batch_size",
                f"{self.actor.ppo_mini_batch_size} is larger than data.train_batch_size {self.data.train_batch_size}")
         _check(self.data.train_batch_size % self.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",

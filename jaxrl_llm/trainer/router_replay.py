@@ -38,7 +38,10 @@ class RouterReplaySettings:
 
     mode: str = "disabled"  # 'disabled', 'R2' (the old-log-prob pass's routing) or 'R3' (the sampler's)
 
-    def validate(self, engine: str = "jax"):
+    def validate(self, engine: str = "jax", multi_turn: bool = False):
+        if self.mode == "R3" and multi_turn:
+            raise ConfigValueError("actor.router_replay.mode: 'R3' is not available with rollout.multi_turn.enable "
+                                   "(the agent loop does not stitch each turn's routing); use 'R2'")
         if self.mode not in MODES:
             raise ConfigValueError(f"actor.router_replay.mode: {self.mode!r}; use one of {MODES}")
         if self.mode == "R3" and engine != "jax":

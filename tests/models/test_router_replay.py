@@ -124,3 +124,12 @@ def test_replay_is_the_same_sharded_over_the_expert_axis():
     np.testing.assert_array_equal(used, ref_used)
     given = np.asarray(rec[..., 0]) >= 0
     np.testing.assert_array_equal(np.asarray(used)[given], np.asarray(rec)[given])
+
+
+def test_r3_with_multi_turn_is_one_clear_error():
+    from jaxrl_llm.trainer.config import ConfigValueError
+    from jaxrl_llm.trainer.router_replay import RouterReplaySettings
+
+    with pytest.raises(ConfigValueError, match="multi_turn.enable"):
+        RouterReplaySettings(mode="R3").validate("jax", multi_turn=True)
+    RouterReplaySettings(mode="R2").validate("jax", multi_turn=True)
