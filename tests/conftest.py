@@ -70,22 +70,26 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(cores, 4, int(mem_gib // 6)))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
+def _group(item) -> str:
+    path = item.nodeid.split("::")[0]
+    return "ray" if path in RAY_FILES or item.get_closest_marker("vllm") is not None else path
+
+
+def pytest_itemcollected(item):
+    """Marks each test with its xdist group as it is collected, before any `pytest_collection_modifyitems`
+    (xdist's own reads the groups into the node ids there)."""
+    item.add_marker(pytest.mark.xdist_group(_group(item)))
+
+
 def pytest_collection_modifyitems(config, items):
     """Schedules whole files under `--dist loadgroup` (an expensive module fixture is built once), with
     the Ray and vLLM tests as one group on one worker. Long units start first (the Ray group, then the
     trainer and agent runs, then the engines and models), so that no long file starts last and leaves the
     other workers idle at the end (`--no-loadscope-reorder` keeps this order). Without xdist only the
     order changes."""
-    groups = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        name = "ray" if path in RAY_FILES or item.get_closest_marker("vllm") is not None else path
-        item.add_marker(pytest.mark.xdist_group(name))
-        groups[item.nodeid] = name
 
     def rank(item) -> int:
-        name = groups[item.nodeid]
+        name = _group(item)
         if name == "ray":
             return 0
         for i, prefix in enumerate(("tests/trainer/", "tests/agent/", "tests/rollout/", "tests/models/"), 1):
