@@ -354,6 +354,7 @@ class VllmPool:
                                "(SamplingParams.return_routed_experts); routing replay R3 "
                                "(actor.router_replay.mode = 'R3') needs the JAX engine (rollout.engine = 'jax')")
         prompts = [[int(t) for t in p] for p in prompts]
+        sampling.validate()  # n >= 1 and the rest, before the rows are laid out
         n = sampling.n
         stops = self._stop_ids(sampling)
         rows = len(prompts) * n
