@@ -13,12 +13,9 @@ create_kwargs.ground_truth` (the tool scores submitted answers against it). With
 
 from __future__ import annotations
 
-import argparse
-import logging
-import os
 import sys
 
-from jaxrl_llm.data import DataError, load_gsm8k_rows
+from jaxrl_llm.data.gsm8k import prepare_main, write_gsm8k_parquet
 
 TOOL_NAME = "calc_gsm8k_reward"
 AGENT_NAME = "tool_agent"
@@ -52,45 +49,14 @@ def write_gsm8k_multiturn_parquet(local_save_dir: str, local_dataset_path: str |
                                   splits: tuple[str, ...] = ("train", "test"),
                                   max_rows: int | None = None) -> dict[str, str]:
     """Writes `<split>.parquet` for each split; returns split -> path. `max_rows` keeps the first rows."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    local_save_dir = os.path.expanduser(local_save_dir)
-    os.makedirs(local_save_dir, exist_ok=True)
-    paths = {}
-    for split in splits:
-        rows = [to_multiturn_row(r) for r in load_gsm8k_rows(split, local_dataset_path)[:max_rows]]
-        path = os.path.join(local_save_dir, f"{split}.parquet")
-        tmp = path + ".tmp"  # renamed into place: a crash never leaves a half-written file
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        os.replace(tmp, path)
-        logging.info("wrote %d GSM8K multi-turn %s rows to %s", len(rows), split, path)
-        paths[split] = path
-    return paths
+    return write_gsm8k_parquet(local_save_dir, local_dataset_path, splits, row_fn=to_multiturn_row,
+                               max_rows=max_rows, what="GSM8K multi-turn")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--local_dataset_path", default=None,
-                        help="directory with GSM8K train.jsonl/test.jsonl; default: the hub's openai/gsm8k")
-    parser.add_argument("--local_save_dir", default="~/data/gsm8k_multiturn", help="where to write the parquet")
-    parser.add_argument("--local_dir", default=None, help="deprecated (veRL's old name for --local_save_dir)")
-    parser.add_argument("--max_rows", type=int, default=None, help="keep the first N rows of each split")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    save_dir = args.local_save_dir
-    if args.local_dir is not None:
-        logging.warning("--local_dir is deprecated; use --local_save_dir")
-        save_dir = args.local_dir
-    if args.max_rows is not None and args.max_rows < 1:
-        print(f"prepare_gsm8k_multiturn: error: --max_rows {args.max_rows}: use a positive number", file=sys.stderr)
-        return 2
-    try:
-        write_gsm8k_multiturn_parquet(save_dir, args.local_dataset_path, max_rows=args.max_rows)
-    except DataError as e:
-        print(f"prepare_gsm8k_multiturn: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return prepare_main(argv, prog="prepare_gsm8k_multiturn", description=__doc__.splitlines()[0],
+                        default_save_dir="~/data/gsm8k_multiturn", row_fn=to_multiturn_row, max_rows_flag=True,
+                        what="GSM8K multi-turn")
 
 
 if __name__ == "__main__":

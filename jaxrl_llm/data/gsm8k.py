@@ -12,7 +12,8 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 
 from jaxrl_llm.data.errors import DataError
 
@@ -112,8 +113,10 @@ def load_gsm8k_rows(split: str, local_dataset_path: str | None = None) -> list[d
 
 
 def write_gsm8k_parquet(local_save_dir: str, local_dataset_path: str | None = None,
-                        splits: Sequence[str] = SPLITS) -> dict[str, str]:
-    """Writes `<split>.parquet` for each split into `local_save_dir`; returns split -> path."""
+                        splits: Sequence[str] = SPLITS, *, row_fn: Callable[[dict], dict] | None = None,
+                        max_rows: int | None = None, what: str = "GSM8K") -> dict[str, str]:
+    """Writes `<split>.parquet` for each split into `local_save_dir`; returns split -> path. `row_fn` turns
+    each veRL-schema row into another schema (the multi-turn tool rows); `max_rows` keeps the first rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -121,12 +124,45 @@ def write_gsm8k_parquet(local_save_dir: str, local_dataset_path: str | None = No
     os.makedirs(local_save_dir, exist_ok=True)
     paths = {}
     for split in splits:
-        rows = load_gsm8k_rows(split, local_dataset_path)
+        rows = load_gsm8k_rows(split, local_dataset_path)[:max_rows]
+        if row_fn is not None:
+            rows = [row_fn(r) for r in rows]
         path = os.path.join(local_save_dir, f"{split}.parquet")
         # Written beside and renamed, so a crash never leaves a half-written file for the trainer.
         tmp = path + ".tmp"
         pq.write_table(pa.Table.from_pylist(rows), tmp)
         os.replace(tmp, path)
-        log.info("wrote %d GSM8K %s rows to %s", len(rows), split, path)
+        log.info("wrote %d %s %s rows to %s", len(rows), what, split, path)
         paths[split] = path
     return paths
+
+
+def prepare_main(argv: list[str] | None, *, prog: str, description: str, default_save_dir: str,
+                 row_fn: Callable[[dict], dict] | None = None, max_rows_flag: bool = False,
+                 what: str = "GSM8K") -> int:
+    """The command line of the GSM8K prep scripts (veRL's flags); 2 and one line on stderr for bad input."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--local_dataset_path", default=None,
+                        help="directory with GSM8K train.jsonl/test.jsonl; default: the hub's openai/gsm8k")
+    parser.add_argument("--local_save_dir", default=default_save_dir, help="where to write the parquet files")
+    parser.add_argument("--local_dir", default=None, help="deprecated (veRL's old name for --local_save_dir)")
+    if max_rows_flag:
+        parser.add_argument("--max_rows", type=int, default=None, help="keep the first N rows of each split")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    save_dir = args.local_save_dir
+    if args.local_dir is not None:
+        logging.warning("--local_dir is deprecated; use --local_save_dir")
+        save_dir = args.local_dir
+    max_rows = getattr(args, "max_rows", None)
+    if max_rows is not None and max_rows < 1:
+        print(f"{prog}: error: --max_rows {max_rows}: use a positive number", file=sys.stderr)
+        return 2
+    try:
+        write_gsm8k_parquet(save_dir, args.local_dataset_path, row_fn=row_fn, max_rows=max_rows, what=what)
+    except DataError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
