@@ -65,7 +65,7 @@ class TrainerWorker:
         self.cfg = model_cfg or model_config(run)
         if model_cfg is None and run.model.remat == "auto":
             self.cfg = self.cfg.replace(remat=self._auto_remat())
-        self.lora = lora_spec(run)
+        self.lora = lora_spec(run, self.cfg)
         run.router_replay.check_model(self.cfg)
         params = load_actor_params(run, self.cfg, self.mesh, self.lora)
 
@@ -425,7 +425,7 @@ class TrainerWorker:
         from jaxrl_llm.models.peft_io import save_peft
 
         path = os.path.join(os.path.abspath(directory), "adapters", str(step))
-        return save_peft(self.actor.adapters(), self.lora, path, dtype=self.cfg.dtype)
+        return save_peft(self.actor.adapters(), self.lora, path, self.cfg, dtype=self.cfg.dtype)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def set_aside_checkpoints(self) -> list[str]:
