@@ -152,6 +152,11 @@ def adapter_shapes(cfg: DecoderConfig, spec: LoraSpec) -> dict:
     return out
 
 
+def num_adapter_params(cfg: DecoderConfig, spec: LoraSpec | None) -> int:
+    """How many params the adapters of `spec` hold on `cfg` (0 without LoRA)."""
+    return 0 if spec is None else sum(x.size for x in jax.tree.leaves(adapter_shapes(cfg, spec)))
+
+
 def adapter_shardings(cfg: DecoderConfig, spec: LoraSpec, mesh: Mesh | None) -> dict:
     """lora_a takes its kernel's input-axis sharding, lora_b its output-axis one; the rank is replicated."""
     out: dict = {}

@@ -123,6 +123,7 @@ class TrainerWorker:
     # ---- construction ----------------------------------------------------------------------------
     def _auto_remat(self) -> str:
         """`model.remat='auto'`: "dots" when the update fits this device with it, else "full"."""
+        from jaxrl_llm.models.lora import num_adapter_params
         from jaxrl_llm.trainer.memory import choose_remat, device_memory_bytes
 
         run, shape = self.run, self.mesh.shape
@@ -131,7 +132,8 @@ class TrainerWorker:
                             tensor=shape["tensor"], ref=(run.actor.use_kl_loss or run.algo.use_kl_in_reward)
                             and not run.trainer.ref_offload, critic=run.algo.uses_critic,
                             engine=run.rollout.engine == "jax" and not run.rollout.free_cache_engine,
-                            device_bytes=device_memory_bytes())
+                            device_bytes=device_memory_bytes(), lora_params=num_adapter_params(
+                                self.cfg, lora_spec(run, self.cfg)))
 
     def _make_ref(self, params):
         """The frozen reference policy in the compute dtype; on the host when `ref_offload` (each
