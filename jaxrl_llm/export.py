@@ -77,7 +77,7 @@ def export(checkpoint: str, out_dir: str, *, dtype: str | None = "bfloat16", cri
     if lora and not merge:
         spec = LoraSpec(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
         adapters, head = partition(params, is_adapter)
-        save_peft(adapters, spec, out_dir, base_model=_base_path(lora, critic) or lora["preset"], dtype=dtype,
+        save_peft(adapters, spec, out_dir, cfg, base_model=_base_path(lora, critic) or lora["preset"], dtype=dtype,
                   head=head.get("score") if critic else None)
         log.info("exported the LoRA adapters of step %d of %s to %s", step, checkpoint, out_dir)
         return out_dir
@@ -108,7 +108,7 @@ def merged_params(trained: dict, cfg: DecoderConfig, lora: dict, *, critic: bool
     else:  # the trainer draws a critic's preset from seed + 1 (trainer/model_load.py)
         base = init_params(cfg.replace(param_dtype=lora["param_dtype"]), seed=lora["seed"] + int(critic),
                            critic=critic)
-    merged = jax.jit(merge_adapters, static_argnums=(2, 3))(base, adapters, spec, jax.numpy.float32)
+    merged = merge_adapters(base, adapters, spec, jax.numpy.float32)
     return {"model": merged["model"], "score": head["score"]} if critic else merged
 
 

@@ -321,6 +321,7 @@ def main() -> None:
     ap.add_argument("--torch_results", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     ap.add_argument("--small", action="store_true", help="tiny shapes, to smoke-test on a CPU")
+    ap.add_argument("--small_preset", default="tiny", help="--small: the tiny preset (tiny, or tiny_moe for the MoE)")
     ap.add_argument("--fsdp", type=int, default=-1, help="e2e mesh: fsdp size (-1: the devices left by --tensor)")
     ap.add_argument("--token_budget", type=int, default=32768, help="e2e: ppo_max_token_len_per_gpu")
     ap.add_argument("--tensor", type=int, default=1, help="e2e mesh: tensor-parallel size")
@@ -341,8 +342,8 @@ def main() -> None:
     sections = {"ceilings", "attention", "parity", "logprob", "rollout", "train", "e2e", "sync"} \
         if args.sections == "all" \
         else set(args.sections.split(","))
-    presets = ["tiny"] if args.small else args.presets.split(",")
-    train_presets = ["tiny"] if args.small else args.train_presets.split(",")
+    presets = [args.small_preset] if args.small else args.presets.split(",")
+    train_presets = [args.small_preset] if args.small else args.train_presets.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     os.makedirs(args.out, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,

@@ -158,7 +158,7 @@ def bench_vllm(args, cfg, spec, rows: dict, root: str) -> None:
     last = {}
 
     def save_adapter(step):
-        path = save_peft(adapters, spec, os.path.join(weights_dir, "adapters", str(step)), dtype="bfloat16")
+        path = save_peft(adapters, spec, os.path.join(weights_dir, "adapters", str(step)), cfg, dtype="bfloat16")
         if "path" in last:
             shutil.rmtree(last["path"], ignore_errors=True)  # what the pool does with the old version
         last["path"] = path

@@ -5,6 +5,12 @@ computes x @ W + (x @ lora_a) @ lora_b * alpha / r (PEFT's LoRA without dropout,
 adapters live in the model's params tree beside the kernels they adapt, stacked over layers like them
 (`model.layers.self_attn.q_proj.lora_a` [L, in, r]), so `nnx.merge` with a LoRA config runs them.
 Everything here is pure; the trainer decides which leaves train (`trainer/model_state.py`).
+
+Mixture of experts (Qwen3-MoE): the adapters sit on the attention projections of every layer (both stacks
+of a mixed model, `cfg.layer_stacks`). That is what PEFT's 'all-linear' puts on `nn.Linear` modules of
+transformers 5's Qwen3-MoE; the router and the fused experts are not `nn.Linear` there, and the MLP names
+(gate_proj, ...) are what PEFT maps to the experts' 3-D parameters (`target_parameters`), which we do not
+adapt (benchmarks/NOTES.md item 32).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from jaxrl_llm.models.hf_table import _MLP, LAYER_TABLES
 LORA_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 LORA_LEAVES = ("lora_a", "lora_b")
+# The targets a Qwen3-MoE offers: its sparse layers have no dense MLP (see the module docstring).
+MOE_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +51,31 @@ class LoraSpec:
     def apply(self, cfg: DecoderConfig) -> DecoderConfig:
         """The model config whose graph holds these adapters."""
         if cfg.is_moe:
-            raise ConfigError("model.lora_rank: LoRA on a mixture-of-experts model (Qwen3-MoE) is not supported "
-                              "yet (the routed experts have no adapters); set model.lora_rank = 0")
+            _check_moe_targets(self.targets)
         return cfg.replace(lora_rank=self.rank, lora_alpha=float(self.alpha), lora_targets=self.targets)
 
 
-def resolve_targets(target_modules, exclude_modules=()) -> tuple[str, ...]:
-    """`model.target_modules` ('all-linear' or module names) less `model.exclude_modules`, in table order."""
+def _check_moe_targets(targets) -> None:
+    mlp = sorted(n for n in targets if n not in MOE_LORA_MODULES)
+    if mlp:
+        raise ConfigError(f"model.target_modules: {mlp} on a mixture-of-experts model (Qwen3-MoE): its sparse layers "
+                          "have no such nn.Linear (the routed experts are 3-D parameters, which PEFT on transformers 5 "
+                          "adapts only as target_parameters, not supported here); target the attention modules "
+                          f"{list(MOE_LORA_MODULES)} or 'all-linear'")
+
+
+def resolve_targets(target_modules, exclude_modules=(), cfg: DecoderConfig | None = None) -> tuple[str, ...]:
+    """`model.target_modules` ('all-linear' or module names) less `model.exclude_modules`, in table order.
+
+    With `cfg` a mixture of experts, 'all-linear' is the attention projections (PEFT's nn.Linear modules on
+    transformers 5's Qwen3-MoE) and an MLP name is an error."""
     known = sorted(LORA_MODULES)
+    moe = cfg is not None and cfg.is_moe
     if isinstance(target_modules, str):
         if target_modules != "all-linear":
             raise ConfigError(f"model.target_modules: {target_modules!r}; use 'all-linear' or a list of module names "
                               f"from {known}")
-        wanted = set(LORA_MODULES)
+        wanted = set(MOE_LORA_MODULES if moe else LORA_MODULES)
     else:
         wanted = set(target_modules)
     for key, names in (("model.target_modules", wanted), ("model.exclude_modules", set(exclude_modules or ()))):
@@ -63,6 +83,8 @@ def resolve_targets(target_modules, exclude_modules=()) -> tuple[str, ...]:
         if unknown:
             raise ConfigError(f"{key}: unknown module name(s) {unknown}; LoRA can target {known} (or 'all-linear' "
                               "in model.target_modules); the stacked layers take one setting for every layer")
+    if moe:
+        _check_moe_targets(wanted)
     targets = tuple(n for n in LORA_MODULES if n in wanted and n not in set(exclude_modules or ()))
     if not targets:
         raise ConfigError(f"model.target_modules={target_modules!r} less model.exclude_modules={exclude_modules!r} "
@@ -88,9 +110,15 @@ def check_settings(rank, alpha, target_modules, exclude_modules, adapter_path) -
         resolve_targets(target_modules, exclude_modules)
 
 
-def module_path(name: str) -> tuple[str, ...]:
-    """Where a target module's params sit in the params tree."""
-    return ("model", "layers", LORA_MODULES[name], name)
+def module_path(name: str, stack: str = "layers") -> tuple[str, ...]:
+    """Where a target module's params sit in the params tree (`stack`: one of `cfg.layer_stacks`)."""
+    return ("model", stack, LORA_MODULES[name], name)
+
+
+def adapter_sites(cfg: DecoderConfig, spec: LoraSpec) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(stack, target name, module path) of every adapted module, stack-major: a mixed MoE's dense layers
+    (`dense_layers`) hold adapters of their own, stacked over those layers."""
+    return [(stack, name, module_path(name, stack)) for stack in cfg.layer_stacks for name in spec.targets]
 
 
 def _kernel_axes(cfg: DecoderConfig, name: str) -> tuple:
@@ -116,24 +144,30 @@ def adapter_shapes(cfg: DecoderConfig, spec: LoraSpec) -> dict:
 
     out: dict = {}
     dt = jnp.dtype(cfg.param_dtype)
-    layers = cfg.num_hidden_layers
-    for name in spec.targets:
+    for stack, name, path in adapter_sites(cfg, spec):
+        layers = len(cfg.layer_stacks[stack])
         din, dout = _LAYER_SHAPES[(name, "kernel")](cfg)
-        _set(out, module_path(name) + ("lora_a",), jax.ShapeDtypeStruct((layers, din, spec.rank), dt))
-        _set(out, module_path(name) + ("lora_b",), jax.ShapeDtypeStruct((layers, spec.rank, dout), dt))
+        _set(out, path + ("lora_a",), jax.ShapeDtypeStruct((layers, din, spec.rank), dt))
+        _set(out, path + ("lora_b",), jax.ShapeDtypeStruct((layers, spec.rank, dout), dt))
     return out
+
+
+def num_adapter_params(cfg: DecoderConfig, spec: LoraSpec | None) -> int:
+    """How many params the adapters of `spec` hold on `cfg` (0 without LoRA)."""
+    return 0 if spec is None else sum(x.size for x in jax.tree.leaves(adapter_shapes(cfg, spec)))
 
 
 def adapter_shardings(cfg: DecoderConfig, spec: LoraSpec, mesh: Mesh | None) -> dict:
     """lora_a takes its kernel's input-axis sharding, lora_b its output-axis one; the rank is replicated."""
     out: dict = {}
-    for name in spec.targets:
+    shapes = adapter_shapes(cfg, spec)
+    for _, name, path in adapter_sites(cfg, spec):
         layers_ax, in_ax, out_ax = _kernel_axes(cfg, name)
         for leaf, axes in (("lora_a", (layers_ax, in_ax, None)), ("lora_b", (layers_ax, None, out_ax))):
-            shape = _get(adapter_shapes(cfg, spec), module_path(name) + (leaf,)).shape
+            shape = _get(shapes, path + (leaf,)).shape
             sh = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
                   else sharding.named_sharding(mesh, axes, shape))
-            _set(out, module_path(name) + (leaf,), sh)
+            _set(out, path + (leaf,), sh)
     return out
 
 
@@ -143,13 +177,12 @@ def init_adapters(cfg: DecoderConfig, spec: LoraSpec, *, mesh: Mesh | None = Non
 
     def make(key):
         out: dict = {}
-        for i, name in enumerate(spec.targets):
-            a = _get(shapes, module_path(name) + ("lora_a",))
-            b = _get(shapes, module_path(name) + ("lora_b",))
+        for i, (_, _, path) in enumerate(adapter_sites(cfg, spec)):
+            a, b = _get(shapes, path + ("lora_a",)), _get(shapes, path + ("lora_b",))
             bound = a.shape[1] ** -0.5
-            _set(out, module_path(name) + ("lora_a",),
-                 jax.random.uniform(jax.random.fold_in(key, i), a.shape, a.dtype, -bound, bound))
-            _set(out, module_path(name) + ("lora_b",), jnp.zeros(b.shape, b.dtype))
+            a = jax.random.uniform(jax.random.fold_in(key, i), a.shape, a.dtype, -bound, bound)
+            _set(out, path + ("lora_a",), a)
+            _set(out, path + ("lora_b",), jnp.zeros(b.shape, b.dtype))
         return out
 
     return jax.jit(make, out_shardings=adapter_shardings(cfg, spec, mesh))(jax.random.key(seed))
@@ -185,18 +218,47 @@ def partition(tree: dict, pred) -> tuple[dict, dict]:
     return yes, no
 
 
-def merge_adapters(base: dict, adapters: dict, spec: LoraSpec, dtype) -> dict:
-    """The base tree with W + (lora_a @ lora_b) * scale for every target, in `dtype` (pure; call under jit).
+def adapted_paths(adapters: dict) -> list[tuple[str, ...]]:
+    """The kernel path of every module that `adapters` adapts."""
+    paths: list = []
+
+    def walk(node, path):
+        if "lora_a" in node:
+            paths.append(path + ("kernel",))
+        else:
+            for k, v in node.items():
+                walk(v, path + (k,))
+
+    walk(adapters, ())
+    return paths
+
+
+def merged_kernels(base: dict, adapters: dict, spec: LoraSpec, dtype) -> dict:
+    """Only the adapted kernels, W + (lora_a @ lora_b) * scale in `dtype`, as a tree of the base's layout
+    (pure; call under jit). The adapters say which modules they sit on (every stack of a mixed MoE).
 
     Args:
-      base: the base model's params (kernels [L, in, out]).
-      adapters: lora_a [L, in, r] and lora_b [L, r, out] per target.
+      base: the base model's params (kernels [L, in, out]); only the adapted kernels are read.
+      adapters: lora_a [L, in, r] and lora_b [L, r, out] per adapted module.
     """
-    out = jax.tree.map(lambda x: x.astype(dtype), base)
-    for name in spec.targets:
-        path = module_path(name)
-        ad = _get(adapters, path)
+    out: dict = {}
+    for path in adapted_paths(adapters):
+        ad = _get(adapters, path[:-1])
         delta = jnp.einsum("lir,lro->lio", ad["lora_a"].astype(jnp.float32), ad["lora_b"].astype(jnp.float32))
-        w = _get(base, path)["kernel"].astype(jnp.float32) + delta * spec.scale
-        _get(out, path)["kernel"] = w.astype(dtype)
+        _set(out, path, (_get(base, path).astype(jnp.float32) + delta * spec.scale).astype(dtype))
     return out
+
+
+def cast_tree(tree: dict, dtype) -> dict:
+    """`tree` in `dtype`; a leaf already in it is the same array (no copy outside jit)."""
+    dt = jnp.dtype(dtype)
+    return jax.tree.map(lambda x: x if x.dtype == dt else x.astype(dt), tree)
+
+
+def merge_adapters(base: dict, adapters: dict, spec: LoraSpec, dtype) -> dict:
+    """The base tree with W + (lora_a @ lora_b) * scale for every adapted kernel, in `dtype`.
+
+    Outside jit, the leaves no adapter touches that are already in `dtype` are the base's own arrays: a
+    sync of Qwen3-30B-A3B's attention adapters copies 1.8 GB of kernels, not the 57 GB of experts.
+    """
+    return combine(cast_tree(base, dtype), merged_kernels(base, adapters, spec, dtype))

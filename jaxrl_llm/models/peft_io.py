@@ -2,7 +2,8 @@
 
 PEFT names an adapter of a causal LM `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
 [r, in] and `...lora_B.weight` [out, r]: torch's [out, in] layout, one tensor a layer. Ours are stacked
-over layers and transposed (lora_a [L, in, r], lora_b [L, r, out]).
+over layers and transposed (lora_a [L, in, r], lora_b [L, r, out]); a mixed MoE's dense layers have their own
+stack (`dense_layers`), whose slots map to HF layer indices through `cfg.layer_stacks`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import numpy as np
 from jaxrl_llm import distributed
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.errors import ConfigError
-from jaxrl_llm.models.lora import LORA_MODULES, LoraSpec, adapter_shapes, adapter_shardings, module_path
+from jaxrl_llm.models.lora import (
+    LORA_MODULES,
+    LoraSpec,
+    adapter_shapes,
+    adapter_shardings,
+    adapter_sites,
+    resolve_targets,
+)
 from jaxrl_llm.models.safetensors_io import SafetensorsFile, save_file
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
@@ -37,8 +45,8 @@ def adapter_config(spec: LoraSpec, *, base_model: str | None, critic: bool = Fal
             "init_lora_weights": True, "modules_to_save": ["score"] if critic else None, "inference_mode": True}
 
 
-def save_peft(adapters: dict, spec: LoraSpec, out_dir: str | os.PathLike, *, base_model: str | None = None,
-              dtype: str | None = None, head: dict | None = None) -> str:
+def save_peft(adapters: dict, spec: LoraSpec, out_dir: str | os.PathLike, cfg: DecoderConfig, *,
+              base_model: str | None = None, dtype: str | None = None, head: dict | None = None) -> str:
     """Writes `adapters` (our tree, on any devices) as a PEFT directory; `dtype` None keeps theirs. Every
     process of a multi-process run calls it (the gather is collective); process 0 alone writes.
 
@@ -52,16 +60,16 @@ def save_peft(adapters: dict, spec: LoraSpec, out_dir: str | os.PathLike, *, bas
     os.makedirs(out_dir, exist_ok=True)
 
     def tensors():
-        for name in spec.targets:
+        for stack, name, path in adapter_sites(cfg, spec):
             node = host
-            for k in module_path(name):
+            for k in path:
                 node = node[k]
             for leaf in ("lora_a", "lora_b"):
                 stacked = node[leaf]  # [L, in, r] or [L, r, out]
                 if dtype is not None:
                     stacked = stacked.astype(jax.numpy.dtype(dtype))
-                for i in range(stacked.shape[0]):
-                    yield peft_key(name, i, leaf), np.ascontiguousarray(stacked[i].T)
+                for slot, layer in enumerate(cfg.layer_stacks[stack]):
+                    yield peft_key(name, layer, leaf), np.ascontiguousarray(stacked[slot].T)
         for leaf, hf in (("kernel", "weight"), ("bias", "bias")):
             if head is not None and leaf in head:
                 x = head[leaf].astype(jax.numpy.dtype(dtype)) if dtype is not None else head[leaf]
@@ -96,8 +104,12 @@ def load_peft(path: str, cfg: DecoderConfig, spec: LoraSpec, *, mesh=None) -> di
         if theirs[key] is None or float(theirs[key]) != float(ours[key]):
             raise ConfigError(f"{key}={ours[key]} but the adapter in model.lora_adapter_path={path!r} has "
                               f"{theirs[key]}; set {key} = {theirs[key]}")
+    if conf.get("target_parameters"):
+        raise ConfigError(f"model.lora_adapter_path={path!r}: the adapter has target_parameters "
+                          f"{conf['target_parameters']} (PEFT's adapters on 3-D parameters, e.g. the routed experts); "
+                          "only adapters on linear modules (target_modules) are supported")
     targets = conf.get("target_modules")
-    targets = sorted(LORA_MODULES) if targets == "all-linear" else sorted(targets or ())
+    targets = sorted(resolve_targets("all-linear", cfg=cfg)) if targets == "all-linear" else sorted(targets or ())
     if targets != sorted(spec.targets):
         raise ConfigError(f"model.target_modules resolves to {sorted(spec.targets)} but the adapter in "
                           f"model.lora_adapter_path={path!r} targets {targets}; set model.target_modules to those")
@@ -106,14 +118,14 @@ def load_peft(path: str, cfg: DecoderConfig, spec: LoraSpec, *, mesh=None) -> di
     file = SafetensorsFile(os.path.join(path, WEIGHTS_NAME))
     shapes, shardings = adapter_shapes(cfg, spec), adapter_shardings(cfg, spec, mesh)
     out: dict = {}
-    for name in spec.targets:
+    for stack, name, site in adapter_sites(cfg, spec):
         node_s, node_sh, node_o = shapes, shardings, out
-        for k in module_path(name):
+        for k in site:
             node_s, node_sh, node_o = node_s[k], node_sh[k], node_o.setdefault(k, {})
         for leaf in ("lora_a", "lora_b"):
             shape = node_s[leaf].shape
             layers = []
-            for i in range(shape[0]):
+            for i in cfg.layer_stacks[stack]:
                 key = peft_key(name, i, leaf)
                 if key not in file.names():
                     raise ConfigError(f"model.lora_adapter_path={path!r}: {WEIGHTS_NAME} has no {key!r}; the adapter "

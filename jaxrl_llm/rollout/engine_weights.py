@@ -84,6 +84,9 @@ class EngineWeights:
             # Trainer and engine on different devices: one device-to-device transfer into the
             # trainer-style layout on the engine's devices, then the same conversion.
             params = jax.device_put(params, param_shardings(self.cfg, self.mesh))
+        # The old weights go first: the conversion's output is a new copy of every layer (the decode
+        # layout unstacks and fuses them), so keeping both would hold two engine copies at the peak.
+        self.params = None
         with self._mesh_ctx():
             self.params = self._convert(params)
         self.version = self.version + 1 if step is None else step

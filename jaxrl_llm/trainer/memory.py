@@ -5,8 +5,11 @@ pass (about 8·N → 6·N FLOPs a token), but the saved outputs grow with the mi
 keeps only each layer's input. `choose_remat` takes "dots" when the step's estimated peak fits the device
 with a margin, else "full". The estimate counts, per device:
 
-  actor      fp32 params, Adam's two moments and the gradient accumulator (4 x 4 bytes a param), sharded
-  reference  compute-dtype params (2 bytes a param), sharded, unless offloaded to the host
+  actor      fp32 params, Adam's two moments and the gradient accumulator (4 x 4 bytes a param), sharded;
+             under LoRA the frozen base in the compute dtype (2 bytes a param, no fp32 master) and those
+             16 bytes for each adapter param only
+  reference  compute-dtype params (2 bytes a param), sharded, unless offloaded to the host; none under
+             LoRA (the reference is the frozen base run without the adapters)
   critic     like the actor (PPO)
   engine     the sampler's compute-dtype weights, split over `tensor` only (none with rollout.free_cache_engine:
              the worker drops them for the update and the sync rebuilds them)
@@ -44,14 +47,20 @@ def saved_bytes_per_token(cfg: Qwen2Config, remat: str, act_bytes: int = 2) -> i
 
 def estimate_step_bytes(cfg: Qwen2Config, *, remat: str, tokens_per_device: int, param_shards: int,
                         tensor: int = 1, ref: bool = True, critic: bool = False, engine: bool = True,
-                        logprob_chunk: int = 8192) -> float:
-    """Estimated peak bytes a device holds during the actor update."""
+                        logprob_chunk: int = 8192, lora_params: int = 0) -> float:
+    """Estimated peak bytes a device holds during the actor update. `lora_params` > 0: a LoRA run with
+    that many adapter params (a critic's too, when there is one)."""
     n = _param_count(cfg)
-    total = 16.0 * n / param_shards  # fp32 params + Adam mu, nu + fp32 gradient accumulator
+    if lora_params:
+        trained = 2.0 * n + 16.0 * lora_params  # the frozen base + the adapters' fp32 params, moments, grads
+        ref = False
+    else:
+        trained = 16.0 * n  # fp32 params + Adam mu, nu + fp32 gradient accumulator
+    total = trained / param_shards
     if ref:
         total += 2.0 * n / param_shards
     if critic:
-        total += 16.0 * n / param_shards
+        total += trained / param_shards
     if engine:
         total += 2.0 * n / tensor
     total += saved_bytes_per_token(cfg, remat) * tokens_per_device
@@ -70,12 +79,12 @@ def device_memory_bytes() -> int | None:
 
 def choose_remat(cfg: Qwen2Config, *, tokens_per_device: int, param_shards: int, tensor: int = 1,
                  ref: bool = True, critic: bool = False, engine: bool = True,
-                 device_bytes: int | None = None) -> str:
+                 device_bytes: int | None = None, lora_params: int = 0) -> str:
     """"dots" when the step fits the device with it, else "full" (also when the device size is unknown)."""
     if device_bytes is None:
         return "full"
     need = estimate_step_bytes(cfg, remat="dots", tokens_per_device=tokens_per_device, param_shards=param_shards,
-                               tensor=tensor, ref=ref, critic=critic, engine=engine)
+                               tensor=tensor, ref=ref, critic=critic, engine=engine, lora_params=lora_params)
     choice = "dots" if need <= MARGIN * device_bytes else "full"
     log.info("model.remat='auto': %s (dots would need ~%.1f GB of the device's %.1f GB)", choice, need / 1e9,
              device_bytes / 1e9)

@@ -42,13 +42,14 @@ def model_config(run: RunConfig) -> Qwen2Config:
     return Qwen2Config.from_hf(resolve_model_path(m.path), **numerics)
 
 
-def lora_spec(run: RunConfig) -> LoraSpec | None:
-    """The adapters of `model.lora_rank` / `lora_alpha` / `target_modules` / `exclude_modules`; None when off."""
+def lora_spec(run: RunConfig, cfg: Qwen2Config | None = None) -> LoraSpec | None:
+    """The adapters of `model.lora_rank` / `lora_alpha` / `target_modules` / `exclude_modules`; None when off.
+    The targets depend on the model (`cfg`, default the run's): a MoE's 'all-linear' is its attention."""
     m = run.model
     if not m.lora_rank:
         return None
-    return LoraSpec(rank=m.lora_rank, alpha=float(m.lora_alpha), targets=resolve_targets(m.target_modules,
-                                                                                          m.exclude_modules))
+    targets = resolve_targets(m.target_modules, m.exclude_modules, cfg or model_config(run))
+    return LoraSpec(rank=m.lora_rank, alpha=float(m.lora_alpha), targets=targets)
 
 
 def _read_config(cfg: Qwen2Config, lora: LoraSpec | None) -> Qwen2Config:

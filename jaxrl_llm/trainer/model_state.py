@@ -15,13 +15,15 @@ import numpy as np
 
 from jaxrl_llm import distributed, sharding
 from jaxrl_llm.models import DecoderConfig, graphdef_and_abstract_params, param_shardings
+from jaxrl_llm.models.hf_table import get_path, set_path
 from jaxrl_llm.models.lora import (
     LoraSpec,
+    adapted_paths,
     adapter_shardings,
     combine,
     init_adapters,
     is_adapter,
-    merge_adapters,
+    merged_kernels,
     partition,
 )
 
@@ -96,19 +98,38 @@ class ModelState:
     def merged(self, dtype: str | None = None) -> dict:
         """The base model's params tree with the adapters merged in (W + A @ B * alpha / r), in `dtype`
         (default: the compute dtype), in the base's shardings: what a rollout engine or an HF export runs.
-        Full fine-tuning: the params, cast when `dtype` is given."""
+        Full fine-tuning: the params, cast when `dtype` is given.
+
+        LoRA: only the adapted kernels are new arrays. Every other leaf already in `dtype` is the frozen
+        tree's own array (no copy), so a sync of Qwen3-30B-A3B's attention adapters adds 1.8 GB to the
+        61 GB base, not a second 61 GB (benchmarks/NOTES.md item 32)."""
         if self.lora is None and dtype is None:
             return self.state["params"]
-        if self._merge is None or self._merge[0] != dtype:
-            dt = jnp.dtype(dtype or self.cfg.dtype)
-            if self.lora is None:
-                fn = lambda frozen, trained: jax.tree.map(lambda x: x.astype(dt), trained)
+        dt = jnp.dtype(dtype or self.cfg.dtype)
+        if self._merge is None or self._merge[0] != dt:
+            spec = self.lora
+            if spec is None:
+                fn = lambda trained: jax.tree.map(lambda x: x.astype(dt), trained)
+                self._merge = (dt, jax.jit(fn, out_shardings=self.base_sh), None)
             else:
-                spec = self.lora
-                fn = lambda frozen, trained: merge_adapters(
-                    combine(frozen, partition(trained, is_adapter)[1]), partition(trained, is_adapter)[0], spec, dt)
-            self._merge = (dtype, jax.jit(fn, out_shardings=self.base_sh))
-        return self._merge[1](self.frozen, self.state["params"])
+                adapters = self.adapters()
+                kernel_sh: dict = {}
+                for path in adapted_paths(adapters):
+                    set_path(kernel_sh, path, get_path(self.base_sh, path))
+                fn = lambda kernels, adapters: merged_kernels(kernels, adapters, spec, dt)
+                cast = lambda tree: jax.tree.map(lambda x: x.astype(dt), tree)
+                self._merge = (dt, jax.jit(fn, out_shardings=kernel_sh), jax.jit(cast))
+        if self.lora is None:
+            return self._merge[1](self.state["params"])
+        adapters, head = partition(self.state["params"], is_adapter)
+        kernels: dict = {}
+        for path in adapted_paths(adapters):
+            set_path(kernels, path, get_path(self.frozen, path))
+        # The untouched leaves: as they are when already in `dt` (the engine's sync), else cast in one jit.
+        rest = combine(self.frozen, head)
+        keep, recast = partition(rest, lambda p: get_path(rest, p).dtype == dt)
+        recast = self._merge[2](recast) if jax.tree.leaves(recast) else {}
+        return combine(keep, recast, self._merge[1](kernels, adapters))
 
     def num_trained(self) -> int:
         return sum(int(x.size) for x in jax.tree.leaves(self.state["params"]))

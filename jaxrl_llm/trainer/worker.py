@@ -65,7 +65,7 @@ class TrainerWorker:
         self.cfg = model_cfg or model_config(run)
         if model_cfg is None and run.model.remat == "auto":
             self.cfg = self.cfg.replace(remat=self._auto_remat())
-        self.lora = lora_spec(run)
+        self.lora = lora_spec(run, self.cfg)
         run.router_replay.check_model(self.cfg)
         params = load_actor_params(run, self.cfg, self.mesh, self.lora)
 
@@ -123,6 +123,7 @@ class TrainerWorker:
     # ---- construction ----------------------------------------------------------------------------
     def _auto_remat(self) -> str:
         """`model.remat='auto'`: "dots" when the update fits this device with it, else "full"."""
+        from jaxrl_llm.models.lora import num_adapter_params
         from jaxrl_llm.trainer.memory import choose_remat, device_memory_bytes
 
         run, shape = self.run, self.mesh.shape
@@ -131,7 +132,8 @@ class TrainerWorker:
                             tensor=shape["tensor"], ref=(run.actor.use_kl_loss or run.algo.use_kl_in_reward)
                             and not run.trainer.ref_offload, critic=run.algo.uses_critic,
                             engine=run.rollout.engine == "jax" and not run.rollout.free_cache_engine,
-                            device_bytes=device_memory_bytes())
+                            device_bytes=device_memory_bytes(), lora_params=num_adapter_params(
+                                self.cfg, lora_spec(run, self.cfg)))
 
     def _make_ref(self, params):
         """The frozen reference policy in the compute dtype; on the host when `ref_offload` (each
@@ -425,7 +427,7 @@ class TrainerWorker:
         from jaxrl_llm.models.peft_io import save_peft
 
         path = os.path.join(os.path.abspath(directory), "adapters", str(step))
-        return save_peft(self.actor.adapters(), self.lora, path, dtype=self.cfg.dtype)
+        return save_peft(self.actor.adapters(), self.lora, path, self.cfg, dtype=self.cfg.dtype)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def set_aside_checkpoints(self) -> list[str]:

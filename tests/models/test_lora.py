@@ -63,7 +63,7 @@ def test_peft_loads_our_adapters_and_computes_our_logits(tmp_path, family, targe
     spec = LoraSpec(rank=4, alpha=8.0, targets=resolve_targets(targets))
     base = load_params(str(tmp_path / "base"), cfg)
     adapters = _random_adapters(cfg, spec)
-    save_peft(adapters, spec, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    save_peft(adapters, spec, tmp_path / "adapter", cfg, base_model=str(tmp_path / "base"))
 
     model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     expected = peft.utils.get_peft_model_state_dict(model)  # the keys and shapes PEFT saves for this config
@@ -114,7 +114,7 @@ def test_a_critics_adapters_and_value_head_export_as_a_peft_token_classification
     base = load_params(str(tmp_path / "base"), cfg, critic=True)
     adapters = _random_adapters(cfg, spec)
     head = jax.tree.map(lambda x: x + 0.5, base["score"])  # a trained head, unlike the base dir's
-    save_peft(adapters, spec, tmp_path / "adapter", base_model=str(tmp_path / "base"), head=head)
+    save_peft(adapters, spec, tmp_path / "adapter", cfg, base_model=str(tmp_path / "base"), head=head)
 
     model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     expected = peft.utils.get_peft_model_state_dict(model)

@@ -60,3 +60,19 @@ def test_auto_takes_dots_where_the_estimate_fits():
     # the layer input "full" keeps, gate and up, fp32 softmax statistics (28 heads)
     per_layer = 2 * 3584 + 2 * 512 + (2 * 3584 - 3584) + 2 * 18944 + 2 * 28
     assert dots - full == pytest.approx(16384 * 28 * 2 * per_layer, rel=1e-9)
+
+
+def test_a_lora_moe_counts_the_base_in_the_compute_dtype_and_the_optimizer_for_adapters_only():
+    """Qwen3-30B-A3B with rank-32 attention adapters on one H200: the frozen bf16 base (61 GB) and the
+    adapters' fp32 state, no master copy and no reference copy; full fine-tuning would need 16 bytes a param."""
+    from jaxrl_llm.models.lora import LoraSpec, num_adapter_params, resolve_targets
+
+    cfg = PRESETS["qwen3_30b_a3b"]()
+    spec = LoraSpec(rank=32, alpha=64.0, targets=resolve_targets("all-linear", cfg=cfg))
+    lora = num_adapter_params(cfg, spec)
+    assert 20e6 < lora < 40e6  # 48 layers x (q, k, v, o) x 32 x (in + out)
+    kw = dict(remat="full", tokens_per_device=16384, param_shards=1, engine=False)
+    lora_bytes = estimate_step_bytes(cfg, lora_params=lora, **kw)
+    base_bytes = 2.0 * cfg.num_params()
+    assert base_bytes + 16 * lora < lora_bytes < base_bytes + 16 * lora + 20e9  # + activations, no reference
+    assert estimate_step_bytes(cfg, **kw) > 16 * cfg.num_params()

@@ -68,3 +68,25 @@ def test_a_critic_trains_its_adapters_and_its_new_value_head():
     assert any(is_adapter(p) for p in trained) and not any(is_adapter(p) for p in _paths(state.frozen))
     assert state.state["params"]["score"]["kernel"].dtype == jnp.float32
     assert "score" not in state.frozen
+
+
+def test_the_merged_sync_copies_only_the_adapted_kernels():
+    """Qwen3-MoE under LoRA: `merged()` gives new arrays for the adapted attention kernels only; the experts
+    (most of a MoE's bytes) and every other untouched leaf are the frozen tree's own arrays, and the
+    merged kernels equal W + A @ B * scale."""
+    mesh = sharding.make_mesh(fsdp=2, expert=4)
+    cfg = DecoderConfig.tiny_moe(dtype="bfloat16", param_dtype="float32")
+    spec = LoraSpec(rank=4, alpha=8.0, targets=resolve_targets("all-linear", cfg=cfg))
+    tx, _ = make_optimizer(1e-3, total_steps=4)
+    state = ModelState(cfg, mesh, init_params(cfg, mesh=mesh), tx, lora=spec)
+    merged, frozen = state.merged(), state.frozen
+    experts = frozen["model"]["layers"]["mlp"]["experts"]["gate_proj"]
+    assert merged["model"]["layers"]["mlp"]["experts"]["gate_proj"] is experts
+    assert merged["model"]["embed_tokens"]["embedding"] is frozen["model"]["embed_tokens"]["embedding"]
+    q = merged["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert q is not frozen["model"]["layers"]["self_attn"]["q_proj"]["kernel"] and q.sharding == state.base_sh[
+        "model"]["layers"]["self_attn"]["q_proj"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(q, np.float32),
+                                  np.asarray(frozen["model"]["layers"]["self_attn"]["q_proj"]["kernel"], np.float32))
+    assert merged["model"]["layers"]["mlp"]["experts"]["gate_proj"] is not state.merged("float32")["model"][
+        "layers"]["mlp"]["experts"]["gate_proj"]  # another dtype: cast

@@ -5,6 +5,7 @@ a MoE then generate what the JAX engine does. Routing replay's clear errors."""
 import importlib.util
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -57,6 +58,20 @@ def test_grpo_step_with_rollout_routing_replay(tmp_path, engine):
     _, m, batch = _one_step(tmp_path, f"rollout.kv_cache='{engine}'", "actor.router_replay.mode='R3'")
     _check_step(m)
     _check_routing(batch, last_fed=False)
+
+
+def test_lora_grpo_step_with_replay_on_an_expert_mesh(tmp_path):
+    """LoRA (all-linear: the attention) on the MoE, R3 with the paged sampler, experts split over 4 devices:
+    the step runs, only the adapters are trained, and the sampler's log-probs match the update's."""
+    trainer, m, batch = _one_step(tmp_path, "rollout.kv_cache='paged'", "actor.router_replay.mode='R3'",
+                                  "model.lora_rank=4", "model.lora_alpha=8.0", "train.mesh_fsdp=2",
+                                  "train.mesh_expert=4")
+    _check_step(m)
+    _check_routing(batch, last_fed=False)
+    actor = trainer.worker.obj.actor
+    trained = jax.tree_util.tree_leaves_with_path(actor.state["params"])
+    assert trained and all(p[-1].key in ("lora_a", "lora_b") and "self_attn" in str(p) for p, _ in trained)
+    assert int(actor.state["step"]) > 0  # the update ran (the adapters' gradients: tests/models/test_lora_moe.py)
 
 
 @pytest.mark.vllm
