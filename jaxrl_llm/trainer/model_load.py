@@ -97,4 +97,5 @@ def lora_meta(run: RunConfig, lora: LoraSpec | None) -> dict | None:
         return None
     m = run.model
     return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets), "path": m.path,
-            "critic_path": m.critic_path, "preset": m.preset, "seed": m.seed, "param_dtype": m.param_dtype}
+            "critic_path": m.critic_path, "preset": m.preset, "seed": m.seed, "param_dtype": m.param_dtype,
+            "dtype": m.dtype, "base_quantization": m.base_quantization}

@@ -76,7 +76,8 @@ class TrainerWorker:
             scheduler=run.actor.lr_scheduler, min_lr_ratio=run.actor.min_lr_ratio,
             weight_decay=run.actor.weight_decay, betas=run.actor.betas, grad_clip=run.actor.grad_clip)
         self.actor = ModelState(self.cfg, self.mesh, params, self.tx, lora=self.lora, seed=run.model.seed,
-                                adapters=load_adapters(run, self.cfg, self.lora, self.mesh))
+                                adapters=load_adapters(run, self.cfg, self.lora, self.mesh),
+                                base_quantization=run.model.base_quantization)
         self.actor_gd, self.actor_sh = self.actor.graphdef, self.actor.param_sh
         del params  # under LoRA the base now lives (in the compute dtype) in self.actor.frozen
 
@@ -94,13 +95,14 @@ class TrainerWorker:
                 warmup_steps=c.lr_warmup_steps, scheduler=c.lr_scheduler, weight_decay=c.weight_decay,
                 grad_clip=c.grad_clip)
             self.critic = ModelState(self.cfg, self.mesh, load_critic_params(run, self.cfg, self.mesh, self.lora),
-                                     self.critic_tx, lora=self.lora, critic=True, seed=run.model.seed + 1)
+                                     self.critic_tx, lora=self.lora, critic=True, seed=run.model.seed + 1,
+                                     base_quantization=run.model.base_quantization)
             self.critic_gd, self.critic_sh = self.critic.graphdef, self.critic.param_sh
 
         self._build_steps()
         self.engine = None
         if run.rollout.engine == "jax":
-            self.engine = make_jax_engine(self.cfg, self.actor.merged(), self.mesh, rollout=run.rollout,
+            self.engine = make_jax_engine(self.cfg, self.actor.engine_params(), self.mesh, rollout=run.rollout,
                                           max_prompt_length=engine_prompt_length(run))
 
     # The train states ({"params", "opt_state", "step", "skipped"}: what checkpoints hold), by role.
@@ -405,7 +407,7 @@ class TrainerWorker:
     def sync_rollout_weights(self, step: int) -> None:
         """Moves the new actor weights into the JAX engine, in device memory."""
         if self.engine is not None:
-            self.engine.update_weights(self.actor.merged(), step=step)
+            self.engine.update_weights(self.actor.engine_params(), step=step)
             jax.block_until_ready(self.engine.params)
 
     def save_weights(self, directory: str, step: int, *, base: bool = False) -> str:
@@ -416,7 +418,10 @@ class TrainerWorker:
         directories, `save_adapters`)."""
         from jaxrl_llm.weights_io import save_weights
 
-        params = self.actor.frozen if base and self.lora is not None else self.actor.merged(self.cfg.dtype)
+        if base and self.lora is not None:  # an 8-bit base goes out dequantized: vLLM runs what the trainer does
+            params = self.actor.frozen if self.actor.quantization == "none" else self.actor.merged_base()
+        else:
+            params = self.actor.merged(self.cfg.dtype)
         return save_weights(directory, step, params, self.cfg)
 
     def save_adapters(self, directory: str, step: int) -> str:
