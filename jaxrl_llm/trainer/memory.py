@@ -5,11 +5,15 @@ pass (about 8·N → 6·N FLOPs a token), but the saved outputs grow with the mi
 keeps only each layer's input. `choose_remat` takes "dots" when the step's estimated peak fits the device
 with a margin, else "full". The estimate counts, per device:
 
-  actor      fp32 params, Adam's two moments and the gradient accumulator (4 x 4 bytes a param), sharded
-  reference  compute-dtype params (2 bytes a param), sharded, unless offloaded to the host
+  actor      fp32 params, Adam's two moments and the gradient accumulator (4 x 4 bytes a param), sharded;
+             under LoRA that for the adapters alone, plus the frozen base: 2 bytes a param, or with
+             `model.base_quantization` 1 byte a layer kernel's param (and its fp32 scales), 2 for the rest
+  reference  compute-dtype params (2 bytes a param), sharded, unless offloaded to the host (none under
+             LoRA: the reference is the frozen base)
   critic     like the actor (PPO)
   engine     the sampler's compute-dtype weights, split over `tensor` only (none with rollout.free_cache_engine:
-             the worker drops them for the update and the sync rebuilds them)
+             the worker drops them for the update and the sync rebuilds them); an 8-bit base is dequantized
+             into the engine's copy, which stays in the compute dtype
   saved      per token and layer: the layer input ("full"), or every matmul output and the attention's
              output and statistics ("dots")
   working    one layer's recomputed activations and the vocab-chunked log-prob's [tokens, chunk] logits
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import logging
 
+from jaxrl_llm.models import quant
 from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +50,55 @@ def saved_bytes_per_token(cfg: Qwen2Config, remat: str, act_bytes: int = 2) -> i
 
 def estimate_step_bytes(cfg: Qwen2Config, *, remat: str, tokens_per_device: int, param_shards: int,
                         tensor: int = 1, ref: bool = True, critic: bool = False, engine: bool = True,
-                        logprob_chunk: int = 8192) -> float:
-    """Estimated peak bytes a device holds during the actor update."""
+                        logprob_chunk: int = 8192, lora_params: int = 0, base_quantization: str = "none") -> float:
+    """Estimated peak bytes a device holds during the actor update. `lora_params` > 0: a LoRA run with that
+    many adapter params (per model), its frozen base held as `base_quantization` says."""
     n = _param_count(cfg)
-    total = 16.0 * n / param_shards  # fp32 params + Adam mu, nu + fp32 gradient accumulator
-    if ref:
+    total = model_state_bytes(cfg, lora_params, base_quantization) / param_shards
+    if ref and not lora_params:
         total += 2.0 * n / param_shards
     if critic:
-        total += 16.0 * n / param_shards
+        total += model_state_bytes(cfg, lora_params, base_quantization) / param_shards
     if engine:
         total += 2.0 * n / tensor
     total += saved_bytes_per_token(cfg, remat) * tokens_per_device
     # One layer's recomputed activations (a few [tokens, F] buffers) and the chunked logits in fp32.
     total += tokens_per_device * (4 * cfg.active_intermediate_size * 2 + logprob_chunk * 4)
     return total
+
+
+def model_state_bytes(cfg: Qwen2Config, lora_params: int = 0, base_quantization: str = "none") -> float:
+    """A trained model's bytes over all devices: 16 a trained param (fp32 master, Adam's two moments, the
+    gradient accumulator) and, under LoRA, the frozen base (`quant.base_bytes`)."""
+    if not lora_params:
+        return 16.0 * _param_count(cfg)
+    return 16.0 * lora_params + quant.base_bytes(cfg, base_quantization)
+
+
+def check_fits(cfg: Qwen2Config, *, device_bytes: int | None, tokens_per_device: int, param_shards: int,
+               tensor: int = 1, ref: bool = True, critic: bool = False, engine: bool = True,
+               lora_params: int = 0, base_quantization: str = "none", jax_engine: bool = True) -> None:
+    """Fails before any work when the update cannot fit the device even with remat "full", or the weights a
+    weight sync holds (the trained state, the engine's copy and, for a LoRA run on a compute-dtype base, the
+    merged tree it is converted from; an 8-bit base merges layer by layer) do not; one ConfigError
+    naming the keys that shrink it. Does nothing where the device size is unknown (CPU)."""
+    if device_bytes is None:
+        return
+    kw = dict(tokens_per_device=tokens_per_device, param_shards=param_shards, tensor=tensor, ref=ref,
+              critic=critic, lora_params=lora_params, base_quantization=base_quantization)
+    update = estimate_step_bytes(cfg, remat="full", engine=engine, **kw)
+    rollout = estimate_step_bytes(cfg, remat="full", engine=jax_engine, **{**kw, "tokens_per_device": 0})
+    if jax_engine and lora_params and base_quantization == "none":  # the sync's merged tree beside the engine's
+        rollout += 2.0 * cfg.num_params() / param_shards
+    need = max(update, rollout)
+    if need > device_bytes:
+        fix = ("set model.lora_rank > 0 with model.base_quantization = 'int8'" if not lora_params else
+               "set model.base_quantization = 'int8'" if base_quantization == "none" else
+               "use more devices (trainer.mesh_fsdp / mesh_tensor)")
+        raise ConfigError(f"device memory: the {'update' if update >= rollout else 'rollout'} needs ~{need / 1e9:.1f} "
+                          f"GB a device (model {cfg.num_params() / 1e9:.2f}B params, actor."
+                          f"ppo_max_token_len_per_gpu -> {tokens_per_device} tokens) of its {device_bytes / 1e9:.1f} "
+                          f"GB; lower actor.ppo_max_token_len_per_gpu, shard over more devices, or {fix}")
 
 
 def device_memory_bytes() -> int | None:
@@ -70,12 +111,13 @@ def device_memory_bytes() -> int | None:
 
 def choose_remat(cfg: Qwen2Config, *, tokens_per_device: int, param_shards: int, tensor: int = 1,
                  ref: bool = True, critic: bool = False, engine: bool = True,
-                 device_bytes: int | None = None) -> str:
+                 device_bytes: int | None = None, lora_params: int = 0, base_quantization: str = "none") -> str:
     """"dots" when the step fits the device with it, else "full" (also when the device size is unknown)."""
     if device_bytes is None:
         return "full"
     need = estimate_step_bytes(cfg, remat="dots", tokens_per_device=tokens_per_device, param_shards=param_shards,
-                               tensor=tensor, ref=ref, critic=critic, engine=engine)
+                               tensor=tensor, ref=ref, critic=critic, engine=engine, lora_params=lora_params,
+                               base_quantization=base_quantization)
     choice = "dots" if need <= MARGIN * device_bytes else "full"
     log.info("model.remat='auto': %s (dots would need ~%.1f GB of the device's %.1f GB)", choice, need / 1e9,
              device_bytes / 1e9)

@@ -63,9 +63,9 @@ class TrainerWorker:
         self.mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor, expert=t.mesh_expert)
         self.dp = sharding.data_parallel_size(self.mesh)
         self.cfg = model_cfg or model_config(run)
+        self.lora = lora_spec(run)
         if model_cfg is None and run.model.remat == "auto":
             self.cfg = self.cfg.replace(remat=self._auto_remat())
-        self.lora = lora_spec(run)
         run.router_replay.check_model(self.cfg)
         params = load_actor_params(run, self.cfg, self.mesh, self.lora)
 
@@ -124,16 +124,22 @@ class TrainerWorker:
 
     # ---- construction ----------------------------------------------------------------------------
     def _auto_remat(self) -> str:
-        """`model.remat='auto'`: "dots" when the update fits this device with it, else "full"."""
-        from jaxrl_llm.trainer.memory import choose_remat, device_memory_bytes
+        """`model.remat='auto'`: "dots" when the update fits this device with it, else "full"; fails first
+        (`memory.check_fits`) when even "full", or the rollout's weights, cannot fit."""
+        from jaxrl_llm.models.lora import adapter_shapes
+        from jaxrl_llm.trainer.memory import check_fits, choose_remat, device_memory_bytes
 
         run, shape = self.run, self.mesh.shape
         tokens = max(1, run.actor.ppo_max_token_len_per_gpu // run.pack_length) * run.pack_length
-        return choose_remat(self.cfg, tokens_per_device=tokens, param_shards=shape["fsdp"] * shape["tensor"],
-                            tensor=shape["tensor"], ref=(run.actor.use_kl_loss or run.algo.use_kl_in_reward)
-                            and not run.trainer.ref_offload, critic=run.algo.uses_critic,
-                            engine=run.rollout.engine == "jax" and not run.rollout.free_cache_engine,
-                            device_bytes=device_memory_bytes())
+        lora_params = 0 if self.lora is None else sum(
+            int(np.prod(x.shape)) for x in jax.tree.leaves(adapter_shapes(self.cfg, self.lora)))
+        kw = dict(tokens_per_device=tokens, param_shards=shape["fsdp"] * shape["tensor"], tensor=shape["tensor"],
+                  ref=(run.actor.use_kl_loss or run.algo.use_kl_in_reward) and not run.trainer.ref_offload,
+                  critic=run.algo.uses_critic, engine=run.rollout.engine == "jax" and not run.rollout.free_cache_engine,
+                  device_bytes=device_memory_bytes(), lora_params=lora_params,
+                  base_quantization=run.model.base_quantization)
+        check_fits(self.cfg, jax_engine=run.rollout.engine == "jax", **kw)
+        return choose_remat(self.cfg, **kw)
 
     def _make_ref(self, params):
         """The frozen reference policy in the compute dtype; on the host when `ref_offload` (each
