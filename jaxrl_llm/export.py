@@ -108,7 +108,8 @@ def merged_params(trained: dict, cfg: DecoderConfig, lora: dict, *, critic: bool
                                     "export without --merge (a PEFT directory) or run where the base is")
         base = load_params(path, cfg, critic=critic and is_critic_checkpoint(path))
     else:  # the trainer draws a critic's preset from seed + 1 (trainer/model_load.py)
-        base = init_params(cfg.replace(param_dtype=lora["param_dtype"]), seed=lora["seed"] + int(critic),
+        drawn = lora["param_dtype"] if lora.get("base_quantization", "none") == "none" else lora["dtype"]
+        base = init_params(cfg.replace(param_dtype=drawn), seed=lora["seed"] + int(critic),
                            critic=critic)
     kind = lora.get("base_quantization", "none")
     if kind == "none":

@@ -57,17 +57,23 @@ def _read_config(cfg: Qwen2Config, lora: LoraSpec | None) -> Qwen2Config:
     return cfg if lora is None else cfg.replace(param_dtype=cfg.dtype)
 
 
+def _draw_config(run: RunConfig, cfg: Qwen2Config) -> Qwen2Config:
+    """A random preset is drawn in param_dtype, except under an 8-bit LoRA base: in the compute dtype there,
+    so a large preset (14B) never holds an fp32 copy beside its quantized one (the export re-draws it so)."""
+    return cfg if run.model.base_quantization == "none" else cfg.replace(param_dtype=cfg.dtype)
+
+
 def load_actor_params(run: RunConfig, cfg: Qwen2Config, mesh, lora: LoraSpec | None = None):
     m = run.model
     if m.preset is not None:
-        return init_params(cfg, mesh=mesh, seed=m.seed)
+        return init_params(_draw_config(run, cfg), mesh=mesh, seed=m.seed)
     return load_params(resolve_model_path(m.path), _read_config(cfg, lora), mesh=mesh)
 
 
 def load_critic_params(run: RunConfig, cfg: Qwen2Config, mesh, lora: LoraSpec | None = None):
     m = run.model
     if m.preset is not None:
-        return init_params(cfg, mesh=mesh, seed=m.seed + 1, critic=True)
+        return init_params(_draw_config(run, cfg), mesh=mesh, seed=m.seed + 1, critic=True)
     cfg = _read_config(cfg, lora)
     path = resolve_model_path(m.critic_path or m.path)
     if is_critic_checkpoint(path):  # the family's *ForTokenClassification
