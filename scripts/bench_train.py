@@ -170,9 +170,11 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
         generate = engine.generate
         draws = iter(range(1000))
 
-        def capped(prompts, sampling, generate=generate, draws=draws):
+        def capped(prompts, sampling, generate=generate, draws=draws, max_new_tokens_per_row=None, **kw):
             lens = seed_response_lengths(len(prompts) * sampling.n, seed=next(draws))
-            return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens)
+            if max_new_tokens_per_row is not None:  # the worker's own per-row caps (agent turns) still bind
+                lens = np.minimum(lens, max_new_tokens_per_row)
+            return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens, **kw)
 
         engine.generate = capped
         role_call = trainer.worker.call

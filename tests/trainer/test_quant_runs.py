@@ -58,12 +58,12 @@ def test_an_int8_base_step_moves_only_the_adapters_and_the_engine_decodes_with_t
 
 
 def test_an_int8_base_run_resumes_exactly_and_exports_merged(tmp_path):
-    steps = 3
+    steps = 4
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     out = runs.run(ref_dir, *QLORA, "train.save_freq=1", steps=steps)
     assert out.returncode == 0, out.stderr[-3000:]
     reference = runs.by_step(runs.metrics(ref_dir))
-    resumed = runs.kill_then_resume(run_dir, *QLORA, "train.save_freq=1", steps=steps, kill_after=[1])
+    resumed = runs.kill_then_resume(run_dir, *QLORA, "train.save_freq=1", steps=steps, kill_after=[2])
     assert resumed == reference
 
     merged_dir = tmp_path / "merged"
