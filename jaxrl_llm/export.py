@@ -6,7 +6,9 @@ the model's HF config). With `--critic` it writes the critic as the family's `*F
 instead. A LoRA run's actor is written as a PEFT adapter directory (adapter_config.json +
 adapter_model.safetensors) for the base it was trained on, its critic as a PEFT TOKEN_CLS directory
 (the value head in modules_to_save); `--merge` writes the base with the adapters merged in as a full HF
-directory instead. Parameters are restored on the host, so no accelerator is needed.
+directory instead; with an 8-bit base (`model.base_quantization`) the merged kernels are the dequantized
+base plus the adapters, so they carry the base's quantization error (the model the run trained). Parameters
+are restored on the host, so no accelerator is needed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxrl_llm.checkpoint import NoValidCheckpointError, RunCheckpointer, resolve_resume
-from jaxrl_llm.models import init_params, load_params
+from jaxrl_llm.models import init_params, load_params, quant
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.hf_io import is_critic_checkpoint, write_hf_dir
 from jaxrl_llm.models.lora import LoraSpec, is_adapter, merge_adapters, partition
@@ -108,7 +110,14 @@ def merged_params(trained: dict, cfg: DecoderConfig, lora: dict, *, critic: bool
     else:  # the trainer draws a critic's preset from seed + 1 (trainer/model_load.py)
         base = init_params(cfg.replace(param_dtype=lora["param_dtype"]), seed=lora["seed"] + int(critic),
                            critic=critic)
-    merged = merge_adapters(base, adapters, spec, jax.numpy.float32)
+    kind = lora.get("base_quantization", "none")
+    if kind == "none":
+        merged = merge_adapters(base, adapters, spec, jax.numpy.float32)
+    else:  # the base the run trained on: cast to its compute dtype and quantized the same way (deterministic)
+        dt = jax.numpy.dtype(lora["dtype"])
+        merged = jax.jit(lambda b, a: quant.merged_base(
+            quant.quantize_base(jax.tree.map(lambda x: x.astype(dt), b), kind), a, spec.scale,
+            jax.numpy.float32))(base, adapters)
     return {"model": merged["model"], "score": head["score"]} if critic else merged
 
 

@@ -333,6 +333,8 @@ def main() -> None:
     ap.add_argument("--compile_cache", default="", help="JAX persistent compilation cache dir ('' = off)")
     ap.add_argument("--lora_rank", type=int, default=0, help="e2e: model.lora_rank on all linear layers (0: full)")
     ap.add_argument("--lora_alpha", type=float, default=64.0, help="e2e: model.lora_alpha")
+    ap.add_argument("--base_quantization", default="none", help="e2e: model.base_quantization (none, int8, fp8; "
+                    "needs --lora_rank > 0)")
     args = ap.parse_args()
     from jaxrl_llm import distributed
     from jaxrl_llm.trainer.process import enable_compilation_cache
@@ -376,7 +378,8 @@ def main() -> None:
     run("rollout", rollout, presets, batches, args.small)
     run("train", train, train_presets, args.small, args.remat.split(","))
     run("e2e", e2e, train_presets, args.small, args.steps, args.fsdp, args.tensor, args.remat.split(",")[0],
-        args.token_budget, args.decode_attention, args.kv_cache, args.lora_rank, args.lora_alpha)
+        args.token_budget, args.decode_attention, args.kv_cache, args.lora_rank, args.lora_alpha,
+        args.base_quantization)
     run("sync", sync, presets, args.small, args.sync_dirs.split(","))
     if not main_process:
         return

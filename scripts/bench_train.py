@@ -28,7 +28,7 @@ from scripts.bench_common import (
 def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat: str, fsdp: int = -1, tensor: int = 1,
              max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run",
              max_batch: int = 4096, decode_attention: str = "auto", kv_cache: str = "paged", lora_rank: int = 0,
-             lora_alpha: float = 64.0):
+             lora_alpha: float = 64.0, base_quantization: str = "none"):
     from jaxrl_llm.models.config import PRESETS
     from jaxrl_llm.trainer import config as C
 
@@ -42,7 +42,7 @@ def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat
                             overrides={"vocab_size": 151936} if small or PRESETS[preset]().vocab_size < 151936
                             else None,
                             # LoRA on every linear layer (rank 0: full fine-tuning), at 10x the learning rate
-                            lora_rank=lora_rank, lora_alpha=lora_alpha),
+                            lora_rank=lora_rank, lora_alpha=lora_alpha, base_quantization=base_quantization),
         data=C.DataConfig(source="files", train_files=(os.path.join(d, "gsm8k_test.jsonl"),),
                           train_batch_size=prompts, max_prompt_length=max_prompt, max_response_length=max_response),
         rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=max_batch, decode_attention=decode_attention,
@@ -150,7 +150,7 @@ def train(presets, small: bool, remat_list):
 
 def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, remat: str = "full",
         budget: int = 32768, decode_attention: str = "auto", kv_cache: str = "paged", lora_rank: int = 0,
-        lora_alpha: float = 64.0):
+        lora_alpha: float = 64.0, base_quantization: str = "none"):
     from jaxrl_llm.trainer.loop import RLTrainer
 
     for preset in presets:
@@ -161,7 +161,7 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
                        remat=remat, small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
                        run_dir=tempfile.mkdtemp(), fsdp=fsdp, tensor=tensor,
                        max_batch=4096 * n_dev, decode_attention=decode_attention, kv_cache=kv_cache,
-                       lora_rank=lora_rank, lora_alpha=lora_alpha)
+                       lora_rank=lora_rank, lora_alpha=lora_alpha, base_quantization=base_quantization)
         t_init = time.perf_counter()
         trainer = RLTrainer(run)
         if jax.process_index() == 0:
@@ -171,9 +171,8 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
         draws = iter(range(1000))
 
         def capped(prompts, sampling, generate=generate, draws=draws, max_new_tokens_per_row=None, **kw):
-            # the seed run's response lengths, within the caps the trainer asks for (if any)
             lens = seed_response_lengths(len(prompts) * sampling.n, seed=next(draws))
-            if max_new_tokens_per_row is not None:
+            if max_new_tokens_per_row is not None:  # the worker's own per-row caps (agent turns) still bind
                 lens = np.minimum(lens, max_new_tokens_per_row)
             return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens, **kw)
 
@@ -207,6 +206,7 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
             pool = {f"kv/{k}": v for k, v in getattr(engine, "last_stats", {}).items()
                     if k in ("num_pages", "kv_bytes", "preemptions", "row_steps", "tokens", "budget_source")}
             emit(section="e2e", preset=preset, mesh=mesh, remat=remat, lora_rank=lora_rank,
+                 base_quantization=base_quantization,
                  decode_attention=decode_attention, step=step,
                  kv_cache=kv_cache, device_peak_gb=device_gb(), **pool, devices=n_dev,
                  processes=jax.process_count(), wall_s=wall, compile_s=compile_s[0], prompts=n_prompts, n=n,

@@ -74,6 +74,8 @@ class DecoderConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
+    # The layers' linear kernels held in 8 bits with per-channel scales: 'none', 'int8', 'fp8' (`models/quant.py`).
+    base_quantization: str = "none"
 
     def __post_init__(self):
         families.family(self.model_type)  # a ConfigError naming the supported families

@@ -34,13 +34,19 @@ def param_shardings(cfg: DecoderConfig, mesh: Mesh | None, *, critic: bool = Fal
                         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
-def init_params(cfg: DecoderConfig, *, mesh: Mesh | None = None, seed: int = 0, critic: bool = False):
-    """Random params created directly in their sharded layout (never whole on one device)."""
+def init_params(cfg: DecoderConfig, *, mesh: Mesh | None = None, seed: int = 0, critic: bool = False,
+                dtype=None):
+    """Random params created directly in their sharded layout (never whole on one device).
+
+    dtype: cast to it inside the same program (the values drawn in param_dtype, then rounded), so a LoRA
+    run's bf16 base never holds the fp32 draw: XLA fuses the cast into the draw.
+    """
     cls = DecoderCritic if critic else DecoderForCausalLM
     shardings = param_shardings(cfg, mesh, critic=critic)
 
     def make(key):
-        return nnx.to_pure_dict(nnx.state(cls(cfg, rngs=nnx.Rngs(params=key))))
+        params = nnx.to_pure_dict(nnx.state(cls(cfg, rngs=nnx.Rngs(params=key))))
+        return params if dtype is None else jax.tree.map(lambda x: x.astype(dtype), params)
 
     return jax.jit(make, out_shardings=shardings)(jax.random.key(seed))
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm import sharding
+from jaxrl_llm.models import quant
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.moe import SparseMoeBlock, load_balancing_loss
 from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -133,7 +134,12 @@ class Linear(nnx.Module):
                  name: str = ""):
         init = jax.nn.initializers.normal(cfg.initializer_range)
         pdt = _dtype(cfg.param_dtype)
-        self.kernel = nnx.Param(init(rngs.params(), (din, dout), pdt))
+        if cfg.base_quantization != "none" and name in quant.QUANT_MODULES:  # a frozen 8-bit kernel, [out] scales
+            self.kernel = nnx.Param(jnp.zeros((din, dout), quant.QDTYPES[cfg.base_quantization]))
+            self.kernel_scale = nnx.Param(jnp.ones((dout,), jnp.float32))
+        else:
+            self.kernel = nnx.Param(init(rngs.params(), (din, dout), pdt))
+            self.kernel_scale = None
         self.bias = nnx.Param(jnp.zeros((dout,), pdt)) if use_bias else None
         self.dtype = _dtype(cfg.dtype)
         if cfg.lora_rank and name in cfg.lora_targets:
@@ -147,7 +153,11 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(self.dtype)
-        y = jnp.dot(x, self.kernel[...].astype(self.dtype))
+        if self.kernel_scale is None:
+            w = self.kernel[...].astype(self.dtype)
+        else:  # dequantized here, inside the layer scan: one layer's weights in the compute dtype at a time
+            w = quant.dequantize(self.kernel[...], self.kernel_scale[...], self.dtype)
+        y = jnp.dot(x, w)
         if self.lora_a is not None:
             low = jnp.dot(x, self.lora_a[...].astype(self.dtype))  # [..., r]
             y = y + jnp.dot(low, self.lora_b[...].astype(self.dtype)) * jnp.asarray(self.lora_scale, self.dtype)

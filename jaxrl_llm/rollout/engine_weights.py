@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from jaxrl_llm import distributed, sharding
+from jaxrl_llm.models import quant
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.models.params import param_shardings
 from jaxrl_llm.rollout import decode
@@ -71,14 +72,17 @@ class EngineWeights:
     def _to_engine(self, params):
         dt = jnp.dtype(self.cfg.dtype)
         m = params["model"]
-        layers = [decode.engine_layer(jax.tree.map(lambda x, j=j: x[j], m[stack]), dt)
+        # An 8-bit base with its adapters (`ModelState.engine_params`) is dequantized and merged one layer
+        # at a time here; plain layers pass through `plain_layer` unchanged.
+        layers = [decode.engine_layer(quant.plain_layer(jax.tree.map(lambda x, j=j: x[j], m[stack]), dt), dt)
                   for stack, j in layer_slots(self.cfg)]
         embed = m["embed_tokens"]["embedding"].astype(dt)
         head = embed.T if self.cfg.tie_word_embeddings else params["lm_head"]["kernel"].astype(dt)
         return {"embed": embed, "layers": layers, "norm": m["norm"]["weight"].astype(dt), "head": head}
 
     def update_weights(self, params, *, step: int | None = None) -> int:
-        """Casts and reshards trainer params into the engine layout, in device memory."""
+        """Casts and reshards trainer params into the engine layout, in device memory. `params` may also be
+        an 8-bit base with pre-scaled adapters (`ModelState.engine_params`), on the engine's devices."""
         engine_devices = set(self.mesh.devices.flat) if self.mesh is not None else {jax.devices()[0]}
         if any(set(x.sharding.device_set) != engine_devices for x in jax.tree.leaves(params)):
             # Trainer and engine on different devices: one device-to-device transfer into the

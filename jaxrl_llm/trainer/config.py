@@ -41,6 +41,8 @@ class ModelConfig:
     target_modules: str | tuple[str, ...] = "all-linear"
     exclude_modules: tuple[str, ...] = ()
     lora_adapter_path: str | None = None  # a PEFT adapter directory to start from
+    # LoRA's frozen base in 8 bits (our name; veRL has no QLoRA): 'none', 'int8' or 'fp8' (`models/quant.py`).
+    base_quantization: str = "none"
 
     def validate(self):
         from jaxrl_llm.models.config import PRESETS
@@ -56,10 +58,12 @@ class ModelConfig:
     def _validate_lora(self):
         from jaxrl_llm.models.errors import ConfigError
         from jaxrl_llm.models.lora import check_settings
+        from jaxrl_llm.models.quant import check_setting as check_quantization
 
         try:
             check_settings(self.lora_rank, self.lora_alpha, self.target_modules, self.exclude_modules,
                            self.lora_adapter_path)
+            check_quantization(self.base_quantization, self.lora_rank)
         except ConfigError as e:
             raise ConfigValueError(str(e)) from None
 

@@ -6,13 +6,14 @@ keeps only each layer's input. `choose_remat` takes "dots" when the step's estim
 with a margin, else "full". The estimate counts, per device:
 
   actor      fp32 params, Adam's two moments and the gradient accumulator (4 x 4 bytes a param), sharded;
-             under LoRA the frozen base in the compute dtype (2 bytes a param, no fp32 master) and those
-             16 bytes for each adapter param only
-  reference  compute-dtype params (2 bytes a param), sharded, unless offloaded to the host; none under
-             LoRA (the reference is the frozen base run without the adapters)
+             under LoRA that for the adapters alone, plus the frozen base: 2 bytes a param, or with
+             `model.base_quantization` 1 byte a layer kernel's param (and its fp32 scales), 2 for the rest
+  reference  compute-dtype params (2 bytes a param), sharded, unless offloaded to the host (none under
+             LoRA: the reference is the frozen base)
   critic     like the actor (PPO)
   engine     the sampler's compute-dtype weights, split over `tensor` only (none with rollout.free_cache_engine:
-             the worker drops them for the update and the sync rebuilds them)
+             the worker drops them for the update and the sync rebuilds them); an 8-bit base is dequantized
+             into the engine's copy, which stays in the compute dtype
   saved      per token and layer: the layer input ("full"), or every matmul output and the attention's
              output and statistics ("dots")
   working    one layer's recomputed activations and the vocab-chunked log-prob's [tokens, chunk] logits
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import logging
 
+from jaxrl_llm.models import quant
 from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -47,26 +50,58 @@ def saved_bytes_per_token(cfg: Qwen2Config, remat: str, act_bytes: int = 2) -> i
 
 def estimate_step_bytes(cfg: Qwen2Config, *, remat: str, tokens_per_device: int, param_shards: int,
                         tensor: int = 1, ref: bool = True, critic: bool = False, engine: bool = True,
-                        logprob_chunk: int = 8192, lora_params: int = 0) -> float:
-    """Estimated peak bytes a device holds during the actor update. `lora_params` > 0: a LoRA run with
-    that many adapter params (a critic's too, when there is one)."""
+                        logprob_chunk: int = 8192, lora_params: int = 0, base_quantization: str = "none") -> float:
+    """Estimated peak bytes a device holds during the actor update. `lora_params` > 0: a LoRA run with that
+    many adapter params (per model), its frozen base held as `base_quantization` says."""
     n = _param_count(cfg)
-    if lora_params:
-        trained = 2.0 * n + 16.0 * lora_params  # the frozen base + the adapters' fp32 params, moments, grads
-        ref = False
-    else:
-        trained = 16.0 * n  # fp32 params + Adam mu, nu + fp32 gradient accumulator
-    total = trained / param_shards
-    if ref:
+    total = model_state_bytes(cfg, lora_params, base_quantization) / param_shards
+    if ref and not lora_params:
         total += 2.0 * n / param_shards
     if critic:
-        total += trained / param_shards
+        total += model_state_bytes(cfg, lora_params, base_quantization) / param_shards
     if engine:
         total += 2.0 * n / tensor
     total += saved_bytes_per_token(cfg, remat) * tokens_per_device
     # One layer's recomputed activations (a few [tokens, F] buffers) and the chunked logits in fp32.
     total += tokens_per_device * (4 * cfg.active_intermediate_size * 2 + logprob_chunk * 4)
     return total
+
+
+def model_state_bytes(cfg: Qwen2Config, lora_params: int = 0, base_quantization: str = "none") -> float:
+    """A trained model's bytes over all devices: 16 a trained param (fp32 master, Adam's two moments, the
+    gradient accumulator) and, under LoRA, the frozen base (`quant.base_bytes`)."""
+    if not lora_params:
+        return 16.0 * _param_count(cfg)
+    return 16.0 * lora_params + quant.base_bytes(cfg, base_quantization)
+
+
+def check_fits(cfg: Qwen2Config, *, device_bytes: int | None, tokens_per_device: int, param_shards: int,
+               tensor: int = 1, ref: bool = True, critic: bool = False, engine: bool = True,
+               lora_params: int = 0, base_quantization: str = "none", jax_engine: bool = True,
+               merged_params: int | None = None) -> None:
+    """Fails before any work when the update cannot fit the device even with remat "full", or the weights a
+    weight sync holds (the trained state, the engine's copy and, for a LoRA run on a compute-dtype base, the
+    merged tree it is converted from; an 8-bit base merges layer by layer) do not; one ConfigError
+    naming the keys that shrink it. Does nothing where the device size is unknown (CPU). `merged_params`: how
+    many params the adapted kernels of a LoRA sync hold (the untouched leaves are the base's own arrays;
+    default: all of them)."""
+    if device_bytes is None:
+        return
+    kw = dict(tokens_per_device=tokens_per_device, param_shards=param_shards, tensor=tensor, ref=ref,
+              critic=critic, lora_params=lora_params, base_quantization=base_quantization)
+    update = estimate_step_bytes(cfg, remat="full", engine=engine, **kw)
+    rollout = estimate_step_bytes(cfg, remat="full", engine=jax_engine, **{**kw, "tokens_per_device": 0})
+    if jax_engine and lora_params and base_quantization == "none":  # the sync's merged tree beside the engine's
+        rollout += 2.0 * (cfg.num_params() if merged_params is None else merged_params) / param_shards
+    need = max(update, rollout)
+    if need > device_bytes:
+        fix = ("set model.lora_rank > 0 with model.base_quantization = 'int8'" if not lora_params else
+               "set model.base_quantization = 'int8'" if base_quantization == "none" else
+               "use more devices (trainer.mesh_fsdp / mesh_tensor)")
+        raise ConfigError(f"device memory: the {'update' if update >= rollout else 'rollout'} needs ~{need / 1e9:.1f} "
+                          f"GB a device (model {cfg.num_params() / 1e9:.2f}B params, actor."
+                          f"ppo_max_token_len_per_gpu -> {tokens_per_device} tokens) of its {device_bytes / 1e9:.1f} "
+                          f"GB; lower actor.ppo_max_token_len_per_gpu, shard over more devices, or {fix}")
 
 
 def device_memory_bytes() -> int | None:
@@ -79,13 +114,30 @@ def device_memory_bytes() -> int | None:
 
 def choose_remat(cfg: Qwen2Config, *, tokens_per_device: int, param_shards: int, tensor: int = 1,
                  ref: bool = True, critic: bool = False, engine: bool = True,
-                 device_bytes: int | None = None, lora_params: int = 0) -> str:
+                 device_bytes: int | None = None, lora_params: int = 0, base_quantization: str = "none") -> str:
     """"dots" when the step fits the device with it, else "full" (also when the device size is unknown)."""
     if device_bytes is None:
         return "full"
     need = estimate_step_bytes(cfg, remat="dots", tokens_per_device=tokens_per_device, param_shards=param_shards,
-                               tensor=tensor, ref=ref, critic=critic, engine=engine, lora_params=lora_params)
+                               tensor=tensor, ref=ref, critic=critic, engine=engine, lora_params=lora_params,
+                               base_quantization=base_quantization)
     choice = "dots" if need <= MARGIN * device_bytes else "full"
     log.info("model.remat='auto': %s (dots would need ~%.1f GB of the device's %.1f GB)", choice, need / 1e9,
              device_bytes / 1e9)
     return choice
+
+
+def plan(run, cfg: Qwen2Config, mesh_shape, lora) -> str:
+    """The remat a run's update fits with ("dots" or "full", for `model.remat='auto'`), after failing first
+    (`check_fits`) when even "full", or the rollout's weights, cannot fit this device."""
+    from jaxrl_llm.models.lora import adapted_kernel_params, num_adapter_params
+
+    tokens = max(1, run.actor.ppo_max_token_len_per_gpu // run.pack_length) * run.pack_length
+    jax_engine = run.rollout.engine == "jax"
+    kw = dict(tokens_per_device=tokens, param_shards=mesh_shape["fsdp"] * mesh_shape["tensor"],
+              tensor=mesh_shape["tensor"], critic=run.algo.uses_critic,
+              ref=(run.actor.use_kl_loss or run.algo.use_kl_in_reward) and not run.trainer.ref_offload,
+              engine=jax_engine and not run.rollout.free_cache_engine, device_bytes=device_memory_bytes(),
+              lora_params=num_adapter_params(cfg, lora), base_quantization=run.model.base_quantization)
+    check_fits(cfg, jax_engine=jax_engine, merged_params=adapted_kernel_params(cfg, lora), **kw)
+    return choose_remat(cfg, **kw)

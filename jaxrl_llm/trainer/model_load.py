@@ -8,7 +8,7 @@ import os
 import jax
 
 from jaxrl_llm import distributed
-from jaxrl_llm.models import Qwen2Config, init_params, load_params, param_shardings
+from jaxrl_llm.models import Qwen2Config, init_params, load_params, param_shardings, quant
 from jaxrl_llm.models.config import PRESETS
 from jaxrl_llm.models.hf_io import is_critic_checkpoint
 from jaxrl_llm.models.lora import LoraSpec, resolve_targets
@@ -48,27 +48,34 @@ def lora_spec(run: RunConfig, cfg: Qwen2Config | None = None) -> LoraSpec | None
     m = run.model
     if not m.lora_rank:
         return None
-    targets = resolve_targets(m.target_modules, m.exclude_modules, cfg or model_config(run))
+    cfg = cfg or model_config(run)
+    targets = resolve_targets(m.target_modules, m.exclude_modules, cfg)
+    quant.apply(cfg, m.base_quantization)  # an 8-bit base it cannot quantize fails here, before any work
     return LoraSpec(rank=m.lora_rank, alpha=float(m.lora_alpha), targets=targets)
 
 
 def _read_config(cfg: Qwen2Config, lora: LoraSpec | None) -> Qwen2Config:
     """A checkpoint is read in the compute dtype under LoRA: its frozen base keeps no fp32 master copy.
-    (A random preset is drawn in param_dtype either way, so a LoRA run starts from the same base.)"""
+    (A random preset is drawn in param_dtype either way and rounded to the compute dtype in the same
+    program: a LoRA run starts from the full run's base, and a 30B preset never holds its fp32 draw.)"""
     return cfg if lora is None else cfg.replace(param_dtype=cfg.dtype)
+
+
+def _base_dtype(cfg: Qwen2Config, lora: LoraSpec | None):
+    return None if lora is None else cfg.dtype
 
 
 def load_actor_params(run: RunConfig, cfg: Qwen2Config, mesh, lora: LoraSpec | None = None):
     m = run.model
     if m.preset is not None:
-        return init_params(cfg, mesh=mesh, seed=m.seed)
+        return init_params(cfg, mesh=mesh, seed=m.seed, dtype=_base_dtype(cfg, lora))
     return load_params(resolve_model_path(m.path), _read_config(cfg, lora), mesh=mesh)
 
 
 def load_critic_params(run: RunConfig, cfg: Qwen2Config, mesh, lora: LoraSpec | None = None):
     m = run.model
     if m.preset is not None:
-        return init_params(cfg, mesh=mesh, seed=m.seed + 1, critic=True)
+        return init_params(cfg, mesh=mesh, seed=m.seed + 1, critic=True, dtype=_base_dtype(cfg, lora))
     cfg = _read_config(cfg, lora)
     path = resolve_model_path(m.critic_path or m.path)
     if is_critic_checkpoint(path):  # the family's *ForTokenClassification
@@ -98,4 +105,5 @@ def lora_meta(run: RunConfig, lora: LoraSpec | None) -> dict | None:
         return None
     m = run.model
     return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets), "path": m.path,
-            "critic_path": m.critic_path, "preset": m.preset, "seed": m.seed, "param_dtype": m.param_dtype}
+            "critic_path": m.critic_path, "preset": m.preset, "seed": m.seed, "param_dtype": m.param_dtype,
+            "dtype": m.dtype, "base_quantization": m.base_quantization}

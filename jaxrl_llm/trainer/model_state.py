@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import distributed, sharding
-from jaxrl_llm.models import DecoderConfig, graphdef_and_abstract_params, param_shardings
+from jaxrl_llm.models import DecoderConfig, graphdef_and_abstract_params, param_shardings, quant
 from jaxrl_llm.models.hf_table import get_path, set_path
 from jaxrl_llm.models.lora import (
     LoraSpec,
@@ -62,22 +62,31 @@ class ModelState:
       tx: the optimizer; it sees only the trained leaves.
       lora: the adapters' spec, or None for full fine-tuning.
       adapters: starting adapters (from `model.lora_adapter_path`); None: fresh ones from `seed`.
+      base_quantization: LoRA only: 'int8' or 'fp8' holds the frozen base's layer kernels in 8 bits
+        (`models/quant.py`); the reference is then the quantized base.
     """
 
     def __init__(self, cfg: DecoderConfig, mesh, params: dict, tx, *, lora: LoraSpec | None = None,
-                 adapters: dict | None = None, critic: bool = False, seed: int = 0):
+                 adapters: dict | None = None, critic: bool = False, seed: int = 0, base_quantization: str = "none"):
         self.cfg, self.mesh, self.tx, self.lora, self.critic = cfg, mesh, tx, lora, critic
-        self.base_graphdef, _ = graphdef_and_abstract_params(cfg, critic=critic)
+        quant.check_setting(base_quantization, lora.rank if lora else 0)
+        self.quantization = base_quantization
+        self.base_graphdef, _ = graphdef_and_abstract_params(quant.apply(cfg, base_quantization), critic=critic)
         self.base_sh = param_shardings(cfg, mesh, critic=critic)
         if lora is None:
             self.graphdef, self.frozen = self.base_graphdef, {}
             trained, self.param_sh = params, self.base_sh
         else:
-            self.graphdef, _ = graphdef_and_abstract_params(lora.apply(cfg), critic=critic)
+            self.graphdef, _ = graphdef_and_abstract_params(quant.apply(lora.apply(cfg), base_quantization),
+                                                            critic=critic)
             head = lambda p: critic and p[0] == "score"  # a critic's value head is new: it trains in full
             head_params, body = partition(params, head)
             compute, master = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
             self.frozen = jax.tree.map(lambda x: x if x.dtype == compute else x.astype(compute), body)
+            if base_quantization != "none":  # quantized in place of the compute-dtype kernels
+                frozen_sh = quant.frozen_shardings(cfg, partition(self.base_sh, head)[1], mesh)
+                self.frozen = jax.jit(lambda b: quant.quantize_base(b, base_quantization),
+                                      out_shardings=frozen_sh)(self.frozen)
             if adapters is None:
                 adapters = init_adapters(cfg, lora, mesh=mesh, seed=seed)
             head_params = jax.tree.map(lambda x: x.astype(master), head_params)
@@ -111,6 +120,11 @@ class ModelState:
             if spec is None:
                 fn = lambda trained: jax.tree.map(lambda x: x.astype(dt), trained)
                 self._merge = (dt, jax.jit(fn, out_shardings=self.base_sh), None)
+            elif self.quantization != "none":  # every kernel is new: dequantized (and merged where adapted)
+                fn = lambda frozen, trained: quant.merged_base(
+                    combine(frozen, partition(trained, is_adapter)[1]), partition(trained, is_adapter)[0],
+                    spec.scale, dt)
+                self._merge = (dt, jax.jit(fn, out_shardings=self.base_sh), None)
             else:
                 adapters = self.adapters()
                 kernel_sh: dict = {}
@@ -121,6 +135,8 @@ class ModelState:
                 self._merge = (dt, jax.jit(fn, out_shardings=kernel_sh), jax.jit(cast))
         if self.lora is None:
             return self._merge[1](self.state["params"])
+        if self.quantization != "none":
+            return self._merge[1](self.frozen, self.state["params"])
         adapters, head = partition(self.state["params"], is_adapter)
         kernels: dict = {}
         for path in adapted_paths(adapters):
@@ -130,6 +146,24 @@ class ModelState:
         keep, recast = partition(rest, lambda p: get_path(rest, p).dtype == dt)
         recast = self._merge[2](recast) if jax.tree.leaves(recast) else {}
         return combine(keep, recast, self._merge[1](kernels, adapters))
+
+    def merged_base(self) -> dict:
+        """The frozen base alone in the compute dtype and the base's shardings (dequantized when 8-bit)."""
+        dt = jnp.dtype(self.cfg.dtype)
+        head = lambda p: self.critic and p[0] == "score"
+        sh = partition(self.base_sh, head)[1]
+        return jax.jit(lambda f: quant.dequantize_base(f, dt), out_shardings=sh)(self.frozen)
+
+    def engine_params(self) -> dict:
+        """What a JAX engine's `update_weights` takes: the merged tree (`merged()`), or with an 8-bit base the
+        quantized tree and the adapters (lora_b pre-scaled by alpha / r), which the engine dequantizes and
+        merges one layer at a time (`quant.plain_layer`): no second whole copy of the base in bf16."""
+        if self.quantization == "none":
+            return self.merged()
+        scale = self.lora.scale
+        trained = jax.tree_util.tree_map_with_path(
+            lambda p, x: x * jnp.asarray(scale, x.dtype) if p[-1].key == "lora_b" else x, self.state["params"])
+        return combine(self.frozen, trained)
 
     def num_trained(self) -> int:
         return sum(int(x.size) for x in jax.tree.leaves(self.state["params"]))

@@ -23,7 +23,7 @@ from jaxrl_llm.algorithms import (
 )
 from jaxrl_llm.models import Qwen2Config
 from jaxrl_llm.rollout import RolloutBatch, SamplingParams, make_jax_engine
-from jaxrl_llm.trainer import router_replay, steps
+from jaxrl_llm.trainer import memory, router_replay, steps
 from jaxrl_llm.trainer.algo_setup import (
     adv_inputs,
     make_adv_fn,
@@ -63,9 +63,10 @@ class TrainerWorker:
         self.mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor, expert=t.mesh_expert)
         self.dp = sharding.data_parallel_size(self.mesh)
         self.cfg = model_cfg or model_config(run)
-        if model_cfg is None and run.model.remat == "auto":
-            self.cfg = self.cfg.replace(remat=self._auto_remat())
         self.lora = lora_spec(run, self.cfg)
+        remat = memory.plan(run, self.cfg, self.mesh.shape, self.lora)  # fails first if the run cannot fit
+        if model_cfg is None and run.model.remat == "auto":
+            self.cfg = self.cfg.replace(remat=remat)
         run.router_replay.check_model(self.cfg)
         params = load_actor_params(run, self.cfg, self.mesh, self.lora)
 
@@ -76,7 +77,8 @@ class TrainerWorker:
             scheduler=run.actor.lr_scheduler, min_lr_ratio=run.actor.min_lr_ratio,
             weight_decay=run.actor.weight_decay, betas=run.actor.betas, grad_clip=run.actor.grad_clip)
         self.actor = ModelState(self.cfg, self.mesh, params, self.tx, lora=self.lora, seed=run.model.seed,
-                                adapters=load_adapters(run, self.cfg, self.lora, self.mesh))
+                                adapters=load_adapters(run, self.cfg, self.lora, self.mesh),
+                                base_quantization=run.model.base_quantization)
         self.actor_gd, self.actor_sh = self.actor.graphdef, self.actor.param_sh
         del params  # under LoRA the base now lives (in the compute dtype) in self.actor.frozen
 
@@ -94,13 +96,14 @@ class TrainerWorker:
                 warmup_steps=c.lr_warmup_steps, scheduler=c.lr_scheduler, weight_decay=c.weight_decay,
                 grad_clip=c.grad_clip)
             self.critic = ModelState(self.cfg, self.mesh, load_critic_params(run, self.cfg, self.mesh, self.lora),
-                                     self.critic_tx, lora=self.lora, critic=True, seed=run.model.seed + 1)
+                                     self.critic_tx, lora=self.lora, critic=True, seed=run.model.seed + 1,
+                                     base_quantization=run.model.base_quantization)
             self.critic_gd, self.critic_sh = self.critic.graphdef, self.critic.param_sh
 
         self._build_steps()
         self.engine = None
         if run.rollout.engine == "jax":
-            self.engine = make_jax_engine(self.cfg, self.actor.merged(), self.mesh, rollout=run.rollout,
+            self.engine = make_jax_engine(self.cfg, self.actor.engine_params(), self.mesh, rollout=run.rollout,
                                           max_prompt_length=engine_prompt_length(run))
 
     # The train states ({"params", "opt_state", "step", "skipped"}: what checkpoints hold), by role.
@@ -121,20 +124,6 @@ class TrainerWorker:
         self.critic.state = state
 
     # ---- construction ----------------------------------------------------------------------------
-    def _auto_remat(self) -> str:
-        """`model.remat='auto'`: "dots" when the update fits this device with it, else "full"."""
-        from jaxrl_llm.models.lora import num_adapter_params
-        from jaxrl_llm.trainer.memory import choose_remat, device_memory_bytes
-
-        run, shape = self.run, self.mesh.shape
-        tokens = max(1, run.actor.ppo_max_token_len_per_gpu // run.pack_length) * run.pack_length
-        return choose_remat(self.cfg, tokens_per_device=tokens, param_shards=shape["fsdp"] * shape["tensor"],
-                            tensor=shape["tensor"], ref=(run.actor.use_kl_loss or run.algo.use_kl_in_reward)
-                            and not run.trainer.ref_offload, critic=run.algo.uses_critic,
-                            engine=run.rollout.engine == "jax" and not run.rollout.free_cache_engine,
-                            device_bytes=device_memory_bytes(), lora_params=num_adapter_params(
-                                self.cfg, lora_spec(run, self.cfg)))
-
     def _make_ref(self, params):
         """The frozen reference policy in the compute dtype; on the host when `ref_offload` (each
         process keeps its own devices' shards)."""
@@ -407,7 +396,7 @@ class TrainerWorker:
     def sync_rollout_weights(self, step: int) -> None:
         """Moves the new actor weights into the JAX engine, in device memory."""
         if self.engine is not None:
-            self.engine.update_weights(self.actor.merged(), step=step)
+            self.engine.update_weights(self.actor.engine_params(), step=step)
             jax.block_until_ready(self.engine.params)
 
     def save_weights(self, directory: str, step: int, *, base: bool = False) -> str:
@@ -418,7 +407,10 @@ class TrainerWorker:
         directories, `save_adapters`)."""
         from jaxrl_llm.weights_io import save_weights
 
-        params = self.actor.frozen if base and self.lora is not None else self.actor.merged(self.cfg.dtype)
+        if base and self.lora is not None:  # an 8-bit base goes out dequantized: vLLM runs what the trainer does
+            params = self.actor.frozen if self.actor.quantization == "none" else self.actor.merged_base()
+        else:
+            params = self.actor.merged(self.cfg.dtype)
         return save_weights(directory, step, params, self.cfg)
 
     def save_adapters(self, directory: str, step: int) -> str:
