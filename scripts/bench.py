@@ -326,6 +326,7 @@ def main() -> None:
     ap.add_argument("--token_budget", type=int, default=32768, help="e2e: ppo_max_token_len_per_gpu")
     ap.add_argument("--tensor", type=int, default=1, help="e2e mesh: tensor-parallel size")
     ap.add_argument("--steps", type=int, default=3, help="e2e steps")
+    ap.add_argument("--prompts_per_gpu", type=int, default=128, help="e2e: prompts a GPU (x5; seed: 128)")
     ap.add_argument("--append", default=None, help="also append the markdown table to this file (BENCHMARKS.md)")
     ap.add_argument("--decode_attention", default="auto", help="e2e: rollout.decode_attention (auto, xla or pallas)")
     ap.add_argument("--kv_cache", default="paged", help="e2e: rollout.kv_cache (paged or dense)")
@@ -379,7 +380,7 @@ def main() -> None:
     run("train", train, train_presets, args.small, args.remat.split(","))
     run("e2e", e2e, train_presets, args.small, args.steps, args.fsdp, args.tensor, args.remat.split(",")[0],
         args.token_budget, args.decode_attention, args.kv_cache, args.lora_rank, args.lora_alpha,
-        args.base_quantization)
+        args.base_quantization, args.prompts_per_gpu)
     run("sync", sync, presets, args.small, args.sync_dirs.split(","))
     if not main_process:
         return

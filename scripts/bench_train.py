@@ -150,13 +150,13 @@ def train(presets, small: bool, remat_list):
 
 def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, remat: str = "full",
         budget: int = 32768, decode_attention: str = "auto", kv_cache: str = "paged", lora_rank: int = 0,
-        lora_alpha: float = 64.0, base_quantization: str = "none"):
+        lora_alpha: float = 64.0, base_quantization: str = "none", prompts_per_gpu: int = 128):
     from jaxrl_llm.trainer.loop import RLTrainer
 
     for preset in presets:
-        # The seed run's per-GPU share (128 prompts x 5) times the devices in the mesh.
+        # The seed run's per-GPU share (128 prompts x 5, or `prompts_per_gpu` x 5) times the devices in the mesh.
         n_dev = jax.device_count() if fsdp == -1 else fsdp * tensor
-        n_prompts, n = (8 * n_dev, 2) if small else (128 * n_dev, 5)
+        n_prompts, n = (8 * n_dev, 2) if small else (prompts_per_gpu * n_dev, 5)
         run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else budget,
                        remat=remat, small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
                        run_dir=tempfile.mkdtemp(), fsdp=fsdp, tensor=tensor,

@@ -13,7 +13,7 @@ for phase in ${PHASES:-moe30b}; do
     moe30b)  # the engine copy (61 GB) beside the frozen base (61 GB): give XLA most of the 141 GB
       export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.96}
       run e2e_30b_a3b_lora32 "${T1:-560}" python3 scripts/bench.py --sections e2e --train_presets qwen3_30b_a3b \
-        --lora_rank 32 --remat full --token_budget ${BUDGET:-16384} --steps ${STEPS:-2} ;;
+        --lora_rank 32 --remat full --token_budget ${BUDGET:-16384} --steps ${STEPS:-2} --prompts_per_gpu ${PROMPTS:-128} ;;
     quant)
       echo "=== quant"
       timeout "${T2:-300}" python3 scripts/bench_quant.py --presets ${QPRESETS:-qwen2p5_14b} --kinds ${KINDS:-int8,fp8} \
