@@ -6,6 +6,7 @@
 #   quant    scripts/bench_quant.py: the frozen base's memory (bf16 / int8 / fp8), the log-prob gap against
 #            the bf16 base over GSM8K prompts, and one LoRA update's time with each base
 #   e2e14b   GRPO steps of Qwen2.5-14B, LoRA rank 32 all-linear, int8 frozen base, seed's per-GPU share
+#   bf16_14b the same on a bf16 base, which does not fit an H100: it must fail before any work
 source "$(dirname "$0")/common.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 for phase in ${PHASES:-moe30b}; do
@@ -22,5 +23,8 @@ for phase in ${PHASES:-moe30b}; do
     e2e14b)
       run e2e_14b_lora32_int8 "${T3:-560}" python3 scripts/bench.py --sections e2e --train_presets qwen2p5_14b \
         --lora_rank 32 --base_quantization int8 --remat auto --token_budget ${BUDGET:-16384} --steps ${STEPS:-2} ;;
+    bf16_14b)  # the same run on a bf16 base: the memory pre-check refuses it before any work
+      run e2e_14b_lora32_bf16 120 python3 scripts/bench.py --sections e2e --train_presets qwen2p5_14b \
+        --lora_rank 32 --remat auto --token_budget ${BUDGET:-16384} --steps 1 ;;
   esac
 done
