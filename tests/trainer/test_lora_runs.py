@@ -7,31 +7,36 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxrl_llm.export import load_checkpoint_params
 from jaxrl_llm.export import main as export_main
-from jaxrl_llm.models import graphdef_and_abstract_params, init_params, load_params
+from jaxrl_llm.models import graphdef_and_abstract_params, init_params, load_params, quant
 from jaxrl_llm.models.lora import combine, is_adapter, partition
 from jaxrl_llm.trainer.loop import RLTrainer, build_train_batch
 from tests.trainer import runs
+from tests.trainer.lora_checks import check_the_engine_decodes_with_the_adapters, host
 
 LORA = ("model.lora_rank=4", "model.lora_alpha=8", "actor.lr=1e-2", "actor.lr_warmup_steps=0")
-
-
-def _host(tree):
-    return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
 def _paths(tree):
     return [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def test_a_lora_step_moves_only_the_adapters_and_the_engine_decodes_with_them(tmp_path):
-    run = runs.run_config("train.driver='inprocess'", *LORA, "actor.use_kl_loss=True", run_dir=tmp_path / "run")
+@pytest.mark.parametrize("base", ["none", "int8"])
+def test_a_lora_step_moves_only_the_adapters_and_the_engine_decodes_with_them(tmp_path, base):
+    """On the compute-dtype base, and on an int8 one (`model.base_quantization`), which is then held in int8
+    and is the reference, and which the engine gets dequantized with the adapters merged layer by layer."""
+    run = runs.run_config("train.driver='inprocess'", *LORA, "actor.use_kl_loss=True",
+                          f"model.base_quantization='{base}'", run_dir=tmp_path / "run")
     trainer = RLTrainer(run)
     w = trainer.worker.obj
     assert w.ref_params is w.actor.frozen  # the reference is the base without the adapters, not a copy
+    if base == "int8":
+        q = w.actor.frozen["model"]["layers"]["mlp"]["gate_proj"]
+        assert q["kernel"].dtype == jnp.int8 and q[quant.SCALE].dtype == jnp.float32
 
     prompts = next(trainer.iterator)
     rollout = w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0))
@@ -41,24 +46,19 @@ def test_a_lora_step_moves_only_the_adapters_and_the_engine_decodes_with_them(tm
     np.testing.assert_allclose(old, w.compute_ref_log_prob(batch), atol=1e-6)
     np.testing.assert_allclose(old, batch.fields["rollout_log_probs"] * batch.response_mask, atol=1e-5)
 
-    frozen_before = _host(w.actor.frozen)
+    frozen_before = host(w.actor.frozen)
     batch.fields["old_log_prob"] = old
     batch.fields["ref_log_prob"] = w.compute_ref_log_prob(batch)
     batch.fields["advantages"] = np.random.default_rng(0).normal(size=batch.response_mask.shape).astype(np.float32)
     w.update_actor(batch, 0)
-    jax.tree.map(np.testing.assert_array_equal, _host(w.actor.frozen), frozen_before)
-    trained = _host(w.actor.state["params"])
+    jax.tree.map(np.testing.assert_array_equal, host(w.actor.frozen), frozen_before)
+    trained = host(w.actor.state["params"])
     assert all(np.any(b) for p, b in zip(_paths(trained), jax.tree.leaves(trained)) if p[-1] == "lora_b")
 
-    # The engine decodes with the adapters: after the sync its weights are the base with them merged in,
-    # and its log-probs of what it samples are the trainer's under the adapters.
-    w.sync_rollout_weights(1)
-    jax.tree.map(np.testing.assert_array_equal, _host(w.engine.params), _host(w.engine._convert(w.actor.merged())))
-    rollout = w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(1))
-    batch = build_train_batch(prompts, rollout, run.data.max_response_length)
-    now, base = w.compute_log_prob(batch)["old_log_prob"], w.compute_ref_log_prob(batch)
-    np.testing.assert_allclose(now, batch.fields["rollout_log_probs"] * batch.response_mask, atol=1e-5)
-    assert np.abs(now - base).max() > 1e-3
+    # The engine decodes with the adapters: after the sync its weights are the base with them merged in
+    # (int8: to fp32 rounding of where alpha / r is applied), and its log-probs of what it samples are the
+    # trainer's under the adapters.
+    check_the_engine_decodes_with_the_adapters(w, trainer, run, prompts, atol=0.0 if base == "none" else 1e-6)
 
 
 def test_kill_resume_export_and_start_from_the_adapter(tmp_path):
@@ -94,8 +94,8 @@ def test_kill_resume_export_and_start_from_the_adapter(tmp_path):
     # A new run from the exported adapter starts with exactly those adapters.
     again = RLTrainer(runs.run_config("train.driver='inprocess'", *LORA, f"model.lora_adapter_path='{peft_dir}'",
                                       run_dir=tmp_path / "again"))
-    started = partition(_host(again.worker.obj.actor.state["params"]), is_adapter)[0]
-    jax.tree.map(np.testing.assert_array_equal, started, _host(adapters))
+    started = partition(host(again.worker.obj.actor.state["params"]), is_adapter)[0]
+    jax.tree.map(np.testing.assert_array_equal, started, host(adapters))
 
 
 def test_a_lora_critic_exports_as_a_peft_adapter_with_its_head_or_merged(tmp_path):
