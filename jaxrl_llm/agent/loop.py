@@ -181,6 +181,7 @@ class AgentLoop:
                     error = str(e)
             if error is not None:
                 self._env_failed(t, error)
+
     def _drive(self, trajs: list[_Trajectory], sampling: SamplingParams) -> None:
         """Engine calls on every ready trajectory, tools on the runner, until every trajectory is done."""
         ready = [t for t in trajs if t.finish is None]
