@@ -170,6 +170,21 @@ def test_validation_only_run(tmp_path):
     assert "reward" in result["skipped_panels"] and "No critic/score/mean" in open(result["summary"]).read()
 
 
+def test_multi_turn_run_reports_tool_use_and_accuracy(tmp_path):
+    """An agentic run: tool calls and turns a response are plotted and tabled, next to validation accuracy."""
+    rows = [{"step": s, "critic/score/mean": s / 10, "multi_turn/tool_calls_mean": min(1.0, s / 5),
+             "multi_turn/turns_mean": 1 + 2 * min(1.0, s / 5)} for s in range(1, 11)]
+    rows.append({"step": 10, "val-core/multiply/acc/mean@1": 0.85})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = write_report(str(tmp_path), str(tmp_path / "out"))
+    assert "multi_turn" in result["plots"] and "validation" in result["plots"]
+    assert result["tool_use"]["multi_turn/tool_calls_mean"]["last"] == {"step": 10, "value": 1.0}
+    md = open(result["summary"]).read()
+    assert "| multi_turn/tool_calls_mean | 0.2 (1) | 1 (10) | 1 (5) |" in md
+    assert "| multi_turn/turns_mean | 1.4 (1) | 3 (10) | 3 (5) |" in md
+    assert "| multiply | 0.85 (10) | 0.85 (10) |" in md
+
+
 # ---- CLI -----------------------------------------------------------------------------------------
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "jaxrl_llm.report", *args], capture_output=True, text=True,

@@ -40,6 +40,11 @@ class MultiTurnConfig:
     tool_reward_weight: the weight of the tools' rewards (each call's step reward plus the tools'
       calc_reward) added to the final score; 0 leaves them to the reward function, which sees them in
       extra_info['rollout_reward_scores'] (veRL's semantics).
+    env / env_kwargs: the environment of rows that name none (a name registered with
+      `jaxrl_llm.agent.env.register_env`, e.g. 'guess_number') and its config; None: rows without
+      `extra_info.interaction_kwargs.name` or an environment's agent_name run tools only.
+    interaction_config_path: veRL's interaction YAML (interaction: [{name, class_name, config}]); its
+      entries are registered as environments (veRL interaction classes are wrapped).
     """
 
     enable: bool = False
@@ -53,6 +58,9 @@ class MultiTurnConfig:
     format: str = "hermes"
     tool_timeout_s: float = 30.0
     tool_reward_weight: float = 0.0
+    env: str | None = None
+    env_kwargs: dict = dataclasses.field(default_factory=dict)
+    interaction_config_path: str | None = None
 
     def validate(self) -> None:
         if not self.enable:
@@ -71,9 +79,14 @@ class MultiTurnConfig:
         _check(self.tool_config_path is None or os.path.isfile(self.tool_config_path), "tool_config_path",
                f"{self.tool_config_path!r} is not a file; give veRL's tool YAML (tools: [{{class_name, config, "
                "tool_schema}]) or None")
-        _check(bool(self.tool_config_path) or bool(self.tools), "tool_config_path",
-               "multi-turn rollouts need tools: set rollout.multi_turn.tool_config_path (veRL's tool YAML) or "
-               "rollout.multi_turn.tools")
+        _check(self.interaction_config_path is None or os.path.isfile(self.interaction_config_path),
+               "interaction_config_path", f"{self.interaction_config_path!r} is not a file; give veRL's interaction "
+               "YAML (interaction: [{name, class_name, config}]) or None")
+        _check(bool(self.tool_config_path or self.tools or self.env or self.interaction_config_path),
+               "tool_config_path", "multi-turn rollouts need tools or an environment: set "
+               "rollout.multi_turn.tool_config_path (veRL's tool YAML), rollout.multi_turn.tools, "
+               "rollout.multi_turn.env or rollout.multi_turn.interaction_config_path")
+        _check(isinstance(self.env_kwargs, dict), "env_kwargs", f"{self.env_kwargs!r}; give a dict")
         from jaxrl_llm.agent.formats import get_format
 
         try:

@@ -11,7 +11,13 @@ still run on the runner's threads; a slow tool holds back only its own trajector
 cannot change a trajectory: turn k of trajectory r draws from its own random stream (the engines'
 `seeds`: fold_in(fold_in(key(seed), stream(r, k)), t)), whatever else shares the engine call.
 
-Caps: `max_assistant_turns`, `max_user_turns` (each tool turn counts), and `max_response_length`, which
+Environments (`jaxrl_llm.agent.env`): a row with one starts from `env.reset(row)`'s messages (rendered into
+its prompt), and each assistant turn goes to `env.step` instead of the tools; the step's messages are
+appended under mask 0 like a tool turn, its reward adds to the row's, and `done` ends the row. An env that
+raises, hangs past the tool timeout or returns a malformed value ends its row (finish 'stop'), counted in
+`multi_turn/env_errors` and logged; the run goes on.
+
+Caps: `max_assistant_turns`, `max_user_turns` (each tool or env turn counts), and `max_response_length`, which
 counts every response token: each turn may sample at most the remaining budget, and a tool turn that
 would not leave room for one more token ends the trajectory before it is appended (finish 'length').
 """
@@ -25,8 +31,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxrl_llm.agent import env as envs
 from jaxrl_llm.agent.config import MultiTurnConfig
-from jaxrl_llm.agent.render import TurnRenderer
+from jaxrl_llm.agent.render import RenderError, TurnRenderer, render_prompt
 from jaxrl_llm.rollout.base import RolloutBatch, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -56,6 +63,9 @@ class AgentBatch(RolloutBatch):
     tool_seconds: np.ndarray | None = None  # [R]
     tool_rewards: np.ndarray | None = None  # [R] step rewards + calc_reward
     texts: list[str] = dataclasses.field(default_factory=list)  # [R] assistant text only
+    env_rewards: np.ndarray | None = None  # [R] the environment's summed step rewards (0 without one)
+    env_errors: np.ndarray | None = None  # [R] 1 where the environment failed
+    prompt_ids: list[list[int]] | None = None  # [R] each trajectory's prompt when an environment set it
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,8 +82,11 @@ class _Trajectory:
     assistant_turns: int = 0
     user_turns: int = 0
     step_reward: float = 0.0
-    pending: list = dataclasses.field(default_factory=list)  # the calls of the last assistant turn
+    pending: list | str = dataclasses.field(default_factory=list)  # the calls (or env action) of the last turn
     finish: str | None = None
+    env: envs.Environment | None = None
+    env_reward: float = 0.0
+    env_error: str | None = None
 
 
 class AgentLoop:
@@ -86,16 +99,19 @@ class AgentLoop:
       tool_format: the `ToolFormat` that parses calls from an assistant's text.
       config: `rollout.multi_turn.*`.
       max_response_length: response tokens at most (assistant + tool), `data.max_response_length`.
+      max_prompt_length: the longest prompt an environment's `reset` may give (`data.max_prompt_length`).
     """
 
     def __init__(self, generate: Callable[..., RolloutBatch], tokenizer, runner, tool_format,
-                 config: MultiTurnConfig, *, max_response_length: int):
+                 config: MultiTurnConfig, *, max_response_length: int, max_prompt_length: int | None = None):
         self.generate = generate
         self.tokenizer = tokenizer
         self.runner = runner
         self.format = tool_format
         self.config = config
         self.max_response_length = max_response_length
+        self.max_prompt_length = max_prompt_length
+        self.envs = envs.EnvSelector(config)
         self.renderer = TurnRenderer(tokenizer, runner.schemas)
         self.last_metrics: dict[str, float] = {}
 
@@ -115,44 +131,77 @@ class AgentLoop:
         try:
             for r in range(len(rows) * n):
                 trajs.append(self._start(r, rows[r // n]))
+            self._reset_envs([t for t in trajs if t.env is not None], rows, n)
             self._drive(trajs, sampling)
             for t in trajs:
                 t.step_reward += float(t.session.reward())
         finally:
             for t in trajs:
                 t.session.release()
+                if t.env is not None:
+                    try:
+                        t.env.close()
+                    except Exception as e:  # noqa: BLE001 (an env's fault must not end the run)
+                        log.warning("row %d: env close() raised %s: %s", t.row, type(e).__name__, e)
         return self._result(trajs, len(rows), n)
 
     def _start(self, r: int, row: dict) -> _Trajectory:
         agent = row.get("agent_name") or "tool_agent"
-        if agent not in AGENTS:
-            raise AgentLoopError(f"row {row.get('index', r)}: agent_name {agent!r} is not one of {AGENTS}; fix the "
-                                 "dataset's agent_name column")
+        if agent not in AGENTS and agent not in envs.registered_envs():
+            raise AgentLoopError(f"row {row.get('index', r)}: agent_name {agent!r} is not one of {AGENTS} nor a "
+                                 f"registered environment {envs.registered_envs()}; fix the dataset's agent_name "
+                                 "column (or register the environment)")
         extra = row.get("extra_info") or {}
         messages = row.get("messages")
         if messages is None:
             raise AgentLoopError(f"row {row.get('index', r)} has no 'messages'; multi-turn rollouts render later "
                                  "turns from the prompt's messages (a dataset read with data.prompt_key has them)")
+        single = agent == "single_turn_agent"
         return _Trajectory(row=r, prompt=list(map(int, row["prompt_ids"])), messages=[dict(m) for m in messages],
-                           session=self.runner.open(extra.get("tools_kwargs")), single_turn=agent != "tool_agent")
+                           session=self.runner.open(extra.get("tools_kwargs")), single_turn=single,
+                           env=None if single else self.envs.make(row))
+
+    def _reset_envs(self, trajs: list[_Trajectory], rows: Sequence[dict], n: int) -> None:
+        """`reset` of every environment at once (on the runner's threads, under the tool timeout); the
+        messages become the trajectory's conversation and prompt. A failed reset ends the trajectory
+        before its first turn (an empty response)."""
+        futures = [self.runner.submit(envs.call_env(self.runner, t.env.reset, rows[t.row // n])) for t in trajs]
+        for t, f in zip(trajs, futures):
+            messages, error = f.result()
+            error = error and f"reset() {error}"
+            if error is None:
+                try:
+                    messages = envs.check_messages(messages, "reset()", roles=("system", "user", "assistant", "tool"))
+                    prompt = render_prompt(self.tokenizer, messages, self.runner.schemas)
+                    if self.max_prompt_length and len(prompt) > self.max_prompt_length:
+                        raise ValueError(f"reset() gave a prompt of {len(prompt)} tokens, more than "
+                                         f"data.max_prompt_length={self.max_prompt_length}")
+                    t.messages, t.prompt = messages, prompt
+                except Exception as e:  # noqa: BLE001 (the template's or the env's fault: a counted error)
+                    error = str(e)
+            if error is not None:
+                self._env_failed(t, error)
 
     def _drive(self, trajs: list[_Trajectory], sampling: SamplingParams) -> None:
         """Engine calls on every ready trajectory, tools on the runner, until every trajectory is done."""
-        ready = list(trajs)
+        ready = [t for t in trajs if t.finish is None]
         running: dict[concurrent.futures.Future, _Trajectory] = {}
         self._engine_calls = 0
         while ready or running:
             if ready:
                 self._engine_calls += 1
                 self._assistant_turn(ready, sampling)
-                running.update({t.session.call_future(t.pending): t for t in ready if t.finish is None})
+                running.update({self._act(t): t for t in ready if t.finish is None})
                 ready = []
             if running:
                 done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
                 more, _ = concurrent.futures.wait(running, timeout=_GATHER_S)
                 for f in sorted(done | more, key=lambda f: running[f].row):
                     t = running.pop(f)
-                    self._tool_turn(t, f.result())  # the session never raises for a tool's fault
+                    if t.env is not None:
+                        self._env_turn(t, *f.result())
+                    else:
+                        self._tool_turn(t, f.result())  # the session never raises for a tool's fault
                     if t.finish is None:
                         ready.append(t)
 
@@ -182,13 +231,49 @@ class AgentLoop:
                 t.finish = "stop"
             else:
                 t.pending = self.format.parse(content)
-                if not t.pending:
+                if t.env is not None:  # the env answers every turn: the calls if any (and it wants them)
+                    t.pending = t.pending if t.pending and t.env.parse_calls else content
+                elif not t.pending:
                     t.finish = "stop"
+
+    def _act(self, t: _Trajectory) -> concurrent.futures.Future:
+        """The future of `t`'s last turn's consequence: its env's step, or its tool calls."""
+        if t.env is not None:
+            return self.runner.submit(envs.call_env(self.runner, t.env.step, t.pending))
+        return t.session.call_future(t.pending)
+
+    def _env_failed(self, t: _Trajectory, reason: str) -> None:
+        t.env_error, t.finish = reason, "stop"
+        log.warning("row %d: environment %s failed, the trajectory ends: %s", t.row, type(t.env).__name__, reason)
+
+    def _env_turn(self, t: _Trajectory, out, error: str | None) -> None:
+        """Appends the env's messages after `t`'s turn, adds its reward; ends `t` when done (the messages of
+        the last step are not appended: a response ends with the assistant's turn) or when it failed."""
+        error = error and f"step() {error}"
+        if error is None:
+            try:
+                new, reward, done, _ = envs.check_step(out)
+            except ValueError as e:
+                error = str(e)
+        if error is not None:
+            self._env_failed(t, error)
+            return
+        t.env_reward += reward
+        if done:
+            t.finish = "stop"
+            return
+        try:
+            self._append_turn(t, new)
+        except RenderError as e:
+            self._env_failed(t, f"step() gave messages the chat template cannot append: {e}")
 
     def _tool_turn(self, t: _Trajectory, results) -> None:
         """Appends the tool turn of `t`'s calls, or ends `t` when it would not fit."""
         t.step_reward += sum(float(res.reward) for res in results)
-        new = [{"role": "tool", "content": res.text} for res in results]
+        self._append_turn(t, [{"role": "tool", "content": res.text} for res in results])
+
+    def _append_turn(self, t: _Trajectory, new: list[dict]) -> None:
+        """Appends the mask-0 ids of the messages that answer `t`'s turn, or ends `t` when they would not fit."""
         ids = self.renderer.turn_ids(t.messages, new, t.ids[-1])
         if len(t.ids) + len(ids) + 1 > self.max_response_length:
             t.finish = "length"  # the tool output would leave no room for an answer: end before it
@@ -202,7 +287,7 @@ class AgentLoop:
     # ---- results ---------------------------------------------------------------------------------
     def _result(self, trajs: list[_Trajectory], num_prompts: int, n: int) -> AgentBatch:
         r = len(trajs)
-        width = max(len(t.ids) for t in trajs)
+        width = max(1, *(len(t.ids) for t in trajs))
         pad = self.tokenizer.pad_token_id or 0
         tokens = np.full((r, width), pad, np.int32)  # [R, T]
         logps = np.zeros((r, width), np.float32)  # [R, T]
@@ -221,7 +306,11 @@ class AgentLoop:
                          tool_calls=stat("calls"), tool_errors={k[len("errors/"):]: stat(k) for k in kinds},
                          tool_seconds=stat("seconds"),
                          tool_rewards=np.asarray([t.step_reward for t in trajs], np.float32),
-                         texts=["\n".join(t.texts) for t in trajs])
+                         texts=["\n".join(t.texts) for t in trajs],
+                         env_rewards=np.asarray([t.env_reward for t in trajs], np.float32),
+                         env_errors=np.asarray([t.env_error is not None for t in trajs], np.float32))
+        if any(t.env is not None for t in trajs):
+            out.prompt_ids = [t.prompt for t in trajs]
         self.last_metrics = {**agent_metrics(out), "multi_turn/engine_calls": float(self._engine_calls)}
         return out
 
@@ -240,6 +329,9 @@ def agent_metrics(batch: AgentBatch) -> dict[str, float]:
            "multi_turn/tool_reward_mean": float(np.mean(batch.tool_rewards)),
            "multi_turn/length_ratio": float(np.mean([f == "length" for f in batch.finish_reasons])),
            "multi_turn/tool_token_ratio": float(1.0 - batch.loss_mask.sum() / max(int(batch.lengths.sum()), 1))}
+    if batch.prompt_ids is not None:  # a rollout with environments
+        out["multi_turn/env_reward_mean"] = float(np.mean(batch.env_rewards))
+        out["multi_turn/env_errors"] = float(np.sum(batch.env_errors))
     for kind, counts in batch.tool_errors.items():
         out[f"multi_turn/tool_errors/{kind}"] = float(np.sum(counts))
     return out

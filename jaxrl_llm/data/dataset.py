@@ -59,7 +59,8 @@ class PromptDataset:
       apply_chat_template: template the message list; if False, `prompt_key` holds plain text.
       max_samples: keep only the first N rows (before filtering); None keeps all.
       tools: OpenAI function schemas for the chat template (`tools=`), for multi-turn rollouts; items
-        then keep their `messages` and veRL's `agent_name` column, which the agent loop reads.
+        then keep their `messages` and veRL's `agent_name` column, which the agent loop reads (an
+        empty list: a multi-turn run without tools, whose rows play environments).
 
     Attributes:
       files: the files read, in order.
@@ -117,8 +118,10 @@ class PromptDataset:
             if not isinstance(extra_info, dict):
                 raise DataError(f"{row.where}: 'extra_info' must be an object (dict) or absent; got "
                                 f"{type(extra_info).__name__}")
-            agent = {"messages": _check_messages(row, prompt_key) if apply_chat_template else
-                     [{"role": "user", "content": text}], "agent_name": row.data.get("agent_name")} if tools else {}
+            agent = {}
+            if tools is not None:  # a multi-turn run's rows
+                agent = {"messages": _check_messages(row, prompt_key) if apply_chat_template else
+                         [{"role": "user", "content": text}], "agent_name": row.data.get("agent_name")}
             self._items.append({**agent,
                 "prompt_ids": list(prompt_ids),
                 "raw_prompt": text,
@@ -138,7 +141,8 @@ class PromptDataset:
     @staticmethod
     def _template(tokenizer, row: SourceRow, messages: list[dict], tools: list[dict] | None = None) -> str:
         try:
-            return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                 tokenize=False)
         except Exception as e:
             raise DataError(f"{row.where}: the chat template failed on this prompt "
                             f"({type(e).__name__}: {e})") from None

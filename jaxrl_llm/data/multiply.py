@@ -9,13 +9,15 @@ arguments. A correct response is one call, then the answer copied from the tool'
     <tool_response>1776</tool_response>                                 (tool turn, mask 0)
     #### 1776<eos>                                                      (assistant)
 
-The tokenizer is built in code (a word-level vocabulary, the call one word), so the demo needs no
-downloads, and a randomly initialised model can stumble on the call. The reward reads the assistant's
-text only (the tool's output cannot score by itself): 1.0 for the right `#### <product>`. A wrong
-answer gets partial credit word by word against the right turns: 0.2 for the call turn, then 0.2 for
-the answer's shape (its words in kind, a digit or the very word, from the start on) and 0.4 for its
-digits, so that each step of exploration is reachable: the call, then each digit copied from the
-tool's output.
+The tokenizer is built in code (a word-level vocabulary, the call one word, each digit one token), so
+the demo needs no downloads, and a randomly initialised model can stumble on the call. The reward reads
+the assistant's text only (the tool's output cannot score by itself): 1.0 for the right `#### <product>`.
+A wrong answer gets partial credit: 0.2 for the call turn, then, for an answer turn that starts with
+`#### `, 0.1 plus 0.6 times the share of the product's digits it has right, each digit on its own (digit
+i against digit i). Scoring the digits one by one, rather than only a right start, gives every answer
+four chances to be rewarded for a copied digit, and the copy (an attention head that reads the tool's
+digit at a fixed distance back: the tool's output and the answer are laid out the same way in every
+response) is one skill for all four positions; see benchmarks/NOTES.md for what did not work.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jaxrl_llm.rewards.registry import register_reward
 
 DATA_SOURCE = "multiply"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
+ANSWER = "#### "
 CALL = '<tool_call>{"name": "multiply", "arguments": {}}</tool_call>'
 WORDS = [str(d) for d in range(10)] + ["*", "=", "#### ", CALL, "<tool_response>", "</tool_response>"]
 # The assistant's turns end with <eos>; a tool turn is its <tool_response> block; no headers.
@@ -39,7 +42,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['
                  "{% elif m['role'] == 'tool' %}<tool_response>{{ m['content'] }}</tool_response>"
                  "{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
 _LONG_WORDS = "|".join(re.escape(w) for w in sorted(WORDS, key=len, reverse=True) if len(w) > 1)
-_WORD_RE = re.compile(f"{_LONG_WORDS}|.", re.DOTALL)
 
 
 def build_tokenizer(save_dir: str | None = None):
@@ -64,35 +66,19 @@ def vocab_size() -> int:
     return len(SPECIAL) + len(WORDS)
 
 
-def _word_type(word: str) -> str:
-    return "digit" if word.isdigit() else word
-
-
-def _turn_credit(text: str, target: str) -> tuple[float, float]:
-    """(shape, digits) of one turn against the right one: the share of the target's words matched in
-    kind (a digit, or the very word) from the start on, 1 only when the turn also ends there; and the
-    share of the target's digits right within that matched start."""
-    got, want = _WORD_RE.findall(text), _WORD_RE.findall(target)
-    k = next((i for i, (g, w) in enumerate(zip(got, want)) if _word_type(g) != _word_type(w)),
-             min(len(got), len(want)))
-    shape = (k - (k == len(want) and len(got) > k)) / len(want)
-    digits = [i for i, w in enumerate(want) if w.isdigit()]
-    return shape, sum(i < k and got[i] == want[i] for i in digits) / len(digits)
-
-
 @register_reward(DATA_SOURCE)
 def multiply_score(solution_str, ground_truth, extra_info=None) -> dict:
-    """1.0 for the right `#### <product>`; otherwise partial credit (below 0.8) for the call turn, then
-    the answer's shape and digits (see the module docstring). `acc` is the answer's correctness alone
+    """1.0 for the right `#### <product>`; otherwise partial credit (at most 0.9) for the call turn, then
+    the answer's start and its digits (see the module docstring). `acc` is the answer's correctness alone
     (the demo's accuracy), `called` whether the first turn is exactly the call."""
     a, b = (int(x) for x in ground_truth.split("*"))
     acc = compute_score(solution_str, str(a * b), method="strict", format_score=0.0, score=1.0)
     turns = solution_str.split("\n")
     called = turns[0] == CALL
     shaped = 0.2 * called
-    if called and len(turns) > 1:
-        form, content = _turn_credit(turns[1], f"#### {a * b}")
-        shaped += 0.2 * form + 0.4 * content
+    if called and len(turns) > 1 and turns[1].startswith(ANSWER):
+        got, want = turns[1][len(ANSWER):], str(a * b)
+        shaped += 0.1 + 0.6 * sum(g == w for g, w in zip(got, want)) / len(want)
     return {"score": max(acc, shaped), "acc": acc, "called": float(called)}
 
 

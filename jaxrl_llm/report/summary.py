@@ -1,4 +1,4 @@
-"""The report's numbers (reward, validation, KL, step time by phase, throughput) and summary.md."""
+"""The report's numbers (reward, validation, tool use, KL, step time by phase, throughput) and summary.md."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def compute_stats(run: RunMetrics, last_n: int) -> dict:
         "reward": _first_last_best(run, "critic/score/mean"),
         "validation": {label: {"key": key, **_first_last_best(run, key)} for key, label in run.val_keys().items()},
         "final_kl": {k: _first_last_best(run, k)["last"] for k in KL_KEYS if run.has(k)},
+        "tool_use": {k: _first_last_best(run, k) for k in TOOL_KEYS if run.has(k)},
         "step_time": _step_time(run),
         "last_n": {"n": len(tail), "steps": [tail[0]["step"], tail[-1]["step"]] if tail else None,
                    "throughput": _finite_mean(tail, "perf/throughput"), "mfu": _finite_mean(tail, "perf/mfu/actor")},
@@ -63,6 +64,9 @@ def compute_stats(run: RunMetrics, last_n: int) -> dict:
                           if run.has(k)},
         "nonfinite": dict(run.nonfinite()),
     }
+
+
+TOOL_KEYS = ("multi_turn/tool_calls_mean", "multi_turn/turns_mean")  # a multi-turn run's tool use
 
 
 def _g(x: float) -> str:
@@ -92,6 +96,12 @@ def render_summary(run_dir: str, stats: dict, plots: dict[str, str], skipped: di
                f"({v['best']['step']}) |" for label, v in stats["validation"].items()]
     else:
         md.append("No val-core/<data_source>/.../mean@N metrics in this run.")
+
+    if stats["tool_use"]:  # multi-turn runs: tool calls and turns a response
+        md += ["", "## Tool use (a response)", "", "| metric | first (step) | last (step) | best (step) |",
+               "|---|---:|---:|---:|"]
+        md += [f"| {k} | " + " | ".join(f"{_g(v[w]['value'])} ({v[w]['step']})" for w in ("first", "last", "best"))
+               + " |" for k, v in stats["tool_use"].items()]
 
     md += ["", "## Final KL", ""]
     md += [f"- {k}: {_g(p['value'])} (step {p['step']})" for k, p in stats["final_kl"].items()] or [

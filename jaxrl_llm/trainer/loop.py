@@ -58,6 +58,8 @@ class RLTrainer:
         os.makedirs(self.run_dir, exist_ok=True)
         self.tokenizer = load_tokenizer(run)
         self.tools = make_tool_runner(run.rollout.multi_turn) if run.rollout.multi_turn.enable else None
+        if self.tools is not None:
+            import jaxrl_llm.agent.env  # noqa: F401 (the built-in environments' rewards, for the data check)
         self.train_data, self.val_data, self.iterator = build_datasets(
             run, self.tokenizer, tools=self.tools.schemas if self.tools else None)
         t = run.trainer
@@ -188,7 +190,8 @@ class RLTrainer:
         engine = self.pool.generate if self.use_pool else lambda *a, **k: self.worker.call("generate", *a, **k)
         mt = self.run.rollout.multi_turn
         return AgentLoop(engine, self.tokenizer, self.tools, get_format(mt.format), mt,
-                         max_response_length=self.run.data.max_response_length)
+                         max_response_length=self.run.data.max_response_length,
+                         max_prompt_length=self.run.data.max_prompt_length)
 
     def generate(self, prompts: list[dict], sampling: SamplingParams) -> RolloutBatch:
         """`sampling.n` responses a prompt; with multi-turn on, the agent loop's trajectories."""

@@ -36,7 +36,10 @@ def build_train_batch(prompts: list[dict], rollout: RolloutBatch, max_response_l
                   "tool_rewards": rollout.tool_rewards}
     responses *= inside.astype(np.int32)
     logps *= mask
-    prompt_ids = [np.asarray(prompts[i]["prompt_ids"], np.int32) for i in rollout.prompt_index]
+    if getattr(rollout, "prompt_ids", None) is not None:  # environments gave each trajectory its prompt
+        prompt_ids = [np.asarray(p, np.int32) for p in rollout.prompt_ids]
+    else:
+        prompt_ids = [np.asarray(prompts[i]["prompt_ids"], np.int32) for i in rollout.prompt_index]
     fields["rollout_log_probs"] = logps
     if getattr(rollout, "routed_experts", None) is not None:
         width = max(max_prompt_length, max(len(p) for p in prompt_ids)) + tr
@@ -47,12 +50,14 @@ def build_train_batch(prompts: list[dict], rollout: RolloutBatch, max_response_l
 
 def response_items(prompts: list[dict], rollout: RolloutBatch) -> list[dict]:
     """The dataset row of each response; a multi-turn response's row carries veRL's `num_turns` and
-    `rollout_reward_scores` (its tools' rewards) in extra_info, for the reward function."""
+    `rollout_reward_scores` (its tools' rewards, and its environment's under "env") in extra_info, for the
+    reward function."""
     if getattr(rollout, "loss_mask", None) is None:
         return [prompts[i] for i in rollout.prompt_index]
+    env = rollout.env_rewards if getattr(rollout, "env_rewards", None) is not None else np.zeros(len(rollout))
     return [{**prompts[i], "extra_info": {**(prompts[i].get("extra_info") or {}), "num_turns": int(turns),
-                                          "rollout_reward_scores": {"tools": float(reward)}}}
-            for i, turns, reward in zip(rollout.prompt_index, rollout.num_turns, rollout.tool_rewards)]
+                                          "rollout_reward_scores": {"tools": float(reward), "env": float(e)}}}
+            for i, turns, reward, e in zip(rollout.prompt_index, rollout.num_turns, rollout.tool_rewards, env)]
 
 
 @dataclasses.dataclass

@@ -1,7 +1,9 @@
-"""The agentic demo learns (gin/agent_tiny_multiply.gin, shortened to 80 of its steps): a tiny model
-from scratch learns to call the multiply tool in its first turn and to answer in a second turn after the
-tool's output (the full run goes on to copy the product); and a multi-turn run killed mid-way resumes
-exactly (the agent loop keeps no state but the seed)."""
+"""The agentic demo learns (gin/agent_tiny_multiply.gin, shortened to 60 of its 300 steps): a tiny model
+from scratch learns to call the multiply tool in its first turn and to answer `#### ...` in a second turn
+after the tool's output; and a multi-turn run killed mid-way resumes exactly (the agent loop keeps no
+state but the seed). The full recipe goes on to copy the product (validation accuracy 0 at step 200,
+1.0 at step 300, BENCHMARKS.md); the copy takes off around step 210, past what CI can afford, so CI
+checks the first stage only."""
 
 import os
 import signal
@@ -31,7 +33,7 @@ def _run(run_dir, *params, steps, timeout=600):
     return out
 
 
-DEMO_STEPS = 80
+DEMO_STEPS = 60
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +45,15 @@ def demo(tmp_path_factory):
 
 def test_multiply_demo_learns_to_call_the_tool_then_answer(demo):
     """From no calls to one call a response (call, tool turn, answer: 3 turns); the score passes what the
-    call alone earns (0.2), i.e. the answers take the right shape (the same seed, steps 71-80: score
-    0.221, calls 1.02, turns 2.91; steps 91-100: 0.232)."""
+    call alone earns (0.2) by half of what the answer's `#### ` adds (0.1), i.e. most answers take the
+    right shape (the same seed, steps 1-3: score 0.001, calls 0.17; steps 51-60: score 0.309, calls
+    0.99, turns 2.94)."""
     score = np.array([r["critic/score/mean"] for r in demo])
     calls = np.array([r["multi_turn/tool_calls_mean"] for r in demo])
     turns = np.array([r["multi_turn/turns_mean"] for r in demo])
     assert len(score) == DEMO_STEPS
     assert score[:3].mean() < 0.01 and calls[:3].mean() < 0.3
-    assert calls[-10:].mean() > 0.9 and turns[-10:].mean() > 2.8 and score[-10:].mean() > 0.2
+    assert calls[-10:].mean() > 0.9 and turns[-10:].mean() > 2.8 and score[-10:].mean() > 0.25
 
 
 def test_multi_turn_run_killed_mid_way_resumes_exactly(tmp_path, demo):
