@@ -92,6 +92,11 @@ def _tokenizes(text: str) -> bool:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that describe bad input (printed as one line), as opposed to bugs (tracebacks)."""
+    from jaxrl_llm.agent.env import EnvError
+    from jaxrl_llm.agent.loop import AgentLoopError
+    from jaxrl_llm.agent.render import RenderError
+    from jaxrl_llm.agent.tool_schema import ToolSchemaError
+    from jaxrl_llm.agent.tools import ToolConfigError
     from jaxrl_llm.checkpoint import CheckpointSaveError
     from jaxrl_llm.data import DataError
     from jaxrl_llm.distributed import DistributedError
@@ -102,7 +107,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from jaxrl_llm.trainer.config import ConfigValueError
 
     return (DataError, CheckpointError, ConfigError, ConfigValueError, RewardConfigError, RewardError, RolloutError,
-            MeshError, CheckpointSaveError, FileNotFoundError, UsageError, DistributedError)
+            MeshError, CheckpointSaveError, FileNotFoundError, UsageError, DistributedError, EnvError, AgentLoopError,
+            RenderError, ToolSchemaError, ToolConfigError)
 
 
 def _one_line(e: BaseException) -> str:

@@ -254,7 +254,14 @@ class EnvSelector:
         name = agent if agent in _REGISTRY else kwargs.get("name") or self.default
         if name is None:
             return None
-        env = get_env_factory(name)(dict(self.kwargs))
+        try:
+            env = get_env_factory(name)(dict(self.kwargs))
+        except EnvError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the environment's own code: one error naming it, not a traceback)
+            raise EnvError(f"environment {name!r} could not be built: its constructor raised {type(e).__name__}: {e}; "
+                           "fix the environment class or its config (rollout.multi_turn.env_kwargs, or the "
+                           "interaction YAML's config)") from e
         if not isinstance(env, Environment):
             raise EnvError(f"environment {name!r}: its factory returned {type(env).__name__}, not an Environment")
         return env

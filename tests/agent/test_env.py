@@ -245,6 +245,19 @@ def test_unknown_env_names_fail_before_the_first_rollout():
         _loop(None, tok, env="gues_number")
 
 
+@envs.register_env("broken_env", overwrite=True)
+class _BrokenEnv(envs.Environment):
+    def __init__(self, config):
+        raise KeyError("target")
+
+
+def test_an_env_whose_constructor_raises_is_one_error_naming_it():
+    selector = envs.EnvSelector(MultiTurnConfig(enable=True, env="broken_env"))
+    with pytest.raises(envs.EnvError, match=r"environment 'broken_env' could not be built: its constructor raised "
+                                            r"KeyError: 'target'; fix the environment class"):
+        selector.make({"prompt_ids": [1]})
+
+
 def test_grpo_run_with_an_env_by_gin_key(tmp_path):
     """A few GRPO steps whose rows play guess-the-number (`rollout.multi_turn.env`), scored by the env's
     reward."""
