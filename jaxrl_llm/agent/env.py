@@ -28,6 +28,7 @@ import asyncio
 import importlib
 import inspect
 import math
+import os
 import re
 from collections.abc import Callable
 
@@ -96,14 +97,12 @@ def get_env_factory(name: str) -> Callable[[dict], Environment]:
 def load_interaction_config(path: str) -> list[str]:
     """Registers the entries of veRL's interaction YAML (`interaction: [{name, class_name, config}]`);
     returns their names. A class that is not an `Environment` is taken as a veRL interaction and wrapped."""
-    import yaml
+    from jaxrl_llm.agent.tools import yaml_entries
 
-    with open(path, encoding="utf-8") as f:
-        doc = yaml.safe_load(f) or {}
-    entries = doc.get("interaction") if isinstance(doc, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise EnvError(f"{path}: expected veRL's interaction YAML, a top-level 'interaction' list of "
-                       "{name, class_name, config} entries")
+    entries = yaml_entries(os.path.expanduser(os.fspath(path)), section="interaction",
+                           setting="rollout.multi_turn.interaction_config_path",
+                           expected="veRL's interaction YAML: interaction: [{name, class_name, config}]",
+                           error=EnvError)
     names = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or "class_name" not in entry:

@@ -119,6 +119,26 @@ def _entry_tool(entry: Any, where: str) -> BaseTool:
     return tool
 
 
+def yaml_entries(path: str, *, section: str, setting: str, expected: str, error: type[Exception]) -> list:
+    """The non-empty list under `section:` of a YAML file (veRL's tool and interaction configs); one `error`
+    naming `setting` or the file when it cannot be read, is not YAML, or has no such list."""
+    try:
+        import yaml
+    except ImportError:
+        raise error(f"{setting}: reading a YAML config needs the pyyaml package: pip install pyyaml") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except OSError as e:
+        raise error(f"{setting}={path!r}: cannot read it ({e})") from None
+    except yaml.YAMLError as e:
+        raise error(f"{path}: not valid YAML ({e})") from None
+    entries = doc.get(section) if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise error(f"{path}: needs a non-empty list under `{section}:` ({expected})")
+    return entries
+
+
 def load_tool_config(path: str) -> list[BaseTool]:
     """The tools of veRL's tool YAML (`rollout.multi_turn.tool_config_path`).
 
@@ -126,23 +146,10 @@ def load_tool_config(path: str) -> list[BaseTool]:
     path of a `BaseTool` subclass (built as `Class(config=config, tool_schema=tool_schema)`) or of a
     typed function. veRL's own `verl.tools.gsm8k_tool.Gsm8kTool` maps to our `Gsm8kTool`.
     """
-    try:
-        import yaml
-    except ImportError:
-        raise ToolConfigError("reading a tool YAML needs the pyyaml package: pip install pyyaml") from None
-
     path = os.path.expanduser(os.fspath(path))
-    try:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
-    except OSError as e:
-        raise ToolConfigError(f"rollout.multi_turn.tool_config_path={path!r}: cannot read it ({e})") from None
-    except yaml.YAMLError as e:
-        raise ToolConfigError(f"{path}: not valid YAML ({e})") from None
-    entries = doc.get("tools") if isinstance(doc, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ToolConfigError(f"{path}: needs a non-empty list under `tools:` (veRL's tool config format: "
-                              "tools: [{class_name: ..., config: {...}, tool_schema: {...}}])")
+    entries = yaml_entries(path, section="tools", setting="rollout.multi_turn.tool_config_path",
+                           expected="veRL's tool config format: tools: [{class_name: ..., config: {...}, "
+                                    "tool_schema: {...}}]", error=ToolConfigError)
     tools = []
     for i, entry in enumerate(entries):
         tools.append(_entry_tool(entry, f"{path}: tools[{i}]"))

@@ -245,6 +245,17 @@ def test_unknown_env_names_fail_before_the_first_rollout():
         _loop(None, tok, env="gues_number")
 
 
+def test_a_bad_interaction_yaml_is_one_error_naming_it(tmp_path):
+    with pytest.raises(envs.EnvError, match=r"interaction_config_path=.*missing.yaml.*cannot read it"):
+        envs.load_interaction_config(str(tmp_path / "missing.yaml"))
+    (tmp_path / "bad.yaml").write_text("interaction: [")
+    with pytest.raises(envs.EnvError, match=r"bad.yaml: not valid YAML"):
+        envs.load_interaction_config(str(tmp_path / "bad.yaml"))
+    (tmp_path / "empty.yaml").write_text("interaction: []")
+    with pytest.raises(envs.EnvError, match=r"empty.yaml: needs a non-empty list under `interaction:`"):
+        envs.load_interaction_config(str(tmp_path / "empty.yaml"))
+
+
 @envs.register_env("broken_env", overwrite=True)
 class _BrokenEnv(envs.Environment):
     def __init__(self, config):
