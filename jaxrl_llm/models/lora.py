@@ -25,7 +25,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jaxrl_llm import sharding
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.errors import ConfigError
-from jaxrl_llm.models.hf_table import _MLP, LAYER_TABLES
+from jaxrl_llm.models.hf_table import _MLP, LAYER_TABLES, get_path, set_path
 
 # The linear layers an adapter can sit on, with their parent module. PEFT's 'all-linear' is all of them
 # (it leaves out the output layer, lm_head).
@@ -126,18 +126,6 @@ def _kernel_axes(cfg: DecoderConfig, name: str) -> tuple:
     return next(row.axes for row in LAYER_TABLES[cfg.model_type] + _MLP if row.path == path)
 
 
-def _get(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _set(tree, path, value):
-    for k in path[:-1]:
-        tree = tree.setdefault(k, {})
-    tree[path[-1]] = value
-
-
 def adapter_shapes(cfg: DecoderConfig, spec: LoraSpec) -> dict:
     """The adapters' tree of ShapeDtypeStructs (param_dtype), as the LoRA model's params hold them."""
     from jaxrl_llm.models.hf_table import _LAYER_SHAPES
@@ -147,8 +135,8 @@ def adapter_shapes(cfg: DecoderConfig, spec: LoraSpec) -> dict:
     for stack, name, path in adapter_sites(cfg, spec):
         layers = len(cfg.layer_stacks[stack])
         din, dout = _LAYER_SHAPES[(name, "kernel")](cfg)
-        _set(out, path + ("lora_a",), jax.ShapeDtypeStruct((layers, din, spec.rank), dt))
-        _set(out, path + ("lora_b",), jax.ShapeDtypeStruct((layers, spec.rank, dout), dt))
+        set_path(out, path + ("lora_a",), jax.ShapeDtypeStruct((layers, din, spec.rank), dt))
+        set_path(out, path + ("lora_b",), jax.ShapeDtypeStruct((layers, spec.rank, dout), dt))
     return out
 
 
@@ -163,7 +151,7 @@ def adapted_kernel_params(cfg: DecoderConfig, spec: LoraSpec | None) -> int:
         return 0
     shapes, total = adapter_shapes(cfg, spec), 0
     for path in adapted_paths(shapes):
-        mod = _get(shapes, path[:-1])
+        mod = get_path(shapes, path[:-1])
         total += mod["lora_a"].size // spec.rank * mod["lora_b"].shape[-1]
     return total
 
@@ -175,10 +163,10 @@ def adapter_shardings(cfg: DecoderConfig, spec: LoraSpec, mesh: Mesh | None) -> 
     for _, name, path in adapter_sites(cfg, spec):
         layers_ax, in_ax, out_ax = _kernel_axes(cfg, name)
         for leaf, axes in (("lora_a", (layers_ax, in_ax, None)), ("lora_b", (layers_ax, None, out_ax))):
-            shape = _get(shapes, path + (leaf,)).shape
+            shape = get_path(shapes, path + (leaf,)).shape
             sh = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
                   else sharding.named_sharding(mesh, axes, shape))
-            _set(out, path + (leaf,), sh)
+            set_path(out, path + (leaf,), sh)
     return out
 
 
@@ -189,11 +177,11 @@ def init_adapters(cfg: DecoderConfig, spec: LoraSpec, *, mesh: Mesh | None = Non
     def make(key):
         out: dict = {}
         for i, (_, _, path) in enumerate(adapter_sites(cfg, spec)):
-            a, b = _get(shapes, path + ("lora_a",)), _get(shapes, path + ("lora_b",))
+            a, b = get_path(shapes, path + ("lora_a",)), get_path(shapes, path + ("lora_b",))
             bound = a.shape[1] ** -0.5
             a = jax.random.uniform(jax.random.fold_in(key, i), a.shape, a.dtype, -bound, bound)
-            _set(out, path + ("lora_a",), a)
-            _set(out, path + ("lora_b",), jnp.zeros(b.shape, b.dtype))
+            set_path(out, path + ("lora_a",), a)
+            set_path(out, path + ("lora_b",), jnp.zeros(b.shape, b.dtype))
         return out
 
     return jax.jit(make, out_shardings=adapter_shardings(cfg, spec, mesh))(jax.random.key(seed))
@@ -223,7 +211,7 @@ def partition(tree: dict, pred) -> tuple[dict, dict]:
             if isinstance(v, dict):
                 walk(v, p)
             else:
-                _set(yes if pred(p) else no, p, v)
+                set_path(yes if pred(p) else no, p, v)
 
     walk(tree, ())
     return yes, no
@@ -254,9 +242,9 @@ def merged_kernels(base: dict, adapters: dict, spec: LoraSpec, dtype) -> dict:
     """
     out: dict = {}
     for path in adapted_paths(adapters):
-        ad = _get(adapters, path[:-1])
+        ad = get_path(adapters, path[:-1])
         delta = jnp.einsum("lir,lro->lio", ad["lora_a"].astype(jnp.float32), ad["lora_b"].astype(jnp.float32))
-        _set(out, path, (_get(base, path).astype(jnp.float32) + delta * spec.scale).astype(dtype))
+        set_path(out, path, (get_path(base, path).astype(jnp.float32) + delta * spec.scale).astype(dtype))
     return out
 
 
