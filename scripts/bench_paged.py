@@ -1,6 +1,8 @@
-"""The paged sampler against the dense one on one GPU: generation alone at the seed run's per-GPU share.
+"""The paged sampler against the dense one: generation alone at the seed run's per-GPU share, on one GPU or on
+several (one data-parallel shard a GPU, the share times the GPUs).
 
     python scripts/bench_paged.py --out $OUT --presets qwen2p5_7b,qwen3_8b --engines dense,paged
+    python scripts/bench_paged.py --out $OUT --presets qwen2p5_7b --devices 1,2 --repeats 5
     python scripts/bench_paged.py --out $OUT --sections long --presets qwen2p5_1p5b
 
 * gen: 128 GSM8K prompts x 5 per repeat (each repeat the next prompts, as each training step), response
@@ -38,11 +40,12 @@ def long_lengths(n: int, seed: int = 0, cap: int = 16384) -> np.ndarray:
 
 
 def one(preset: str, engine: str, section: str, repeats: int, attention: str, max_num_seqs: int,
-        compile_cache: str | None = None, out_dir: str | None = None):
+        compile_cache: str | None = None, out_dir: str | None = None, devices: int = 1):
     import logging
 
     import jax
 
+    from jaxrl_llm import sharding
     from jaxrl_llm.models import init_params
     from jaxrl_llm.models.config import PRESETS
     from jaxrl_llm.rollout import DenseJaxEngine, JaxEngine, SamplingParams
@@ -78,15 +81,16 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
     cfg = PRESETS[preset](dtype="bfloat16", param_dtype="bfloat16", **extra)
     params = init_params(cfg, seed=0)
     jax.block_until_ready(params)
-    n_prompts, n = (128, 5) if section == "gen" else (64, 5)
+    n_prompts, n = (128 * devices, 5) if section == "gen" else (64 * devices, 5)
     prompts_all = gsm8k_prompts(n_prompts * (repeats + 1), vocab_size=cfg.vocab_size)
     max_new = 1024 if section == "gen" else 16384
+    mesh = sharding.make_mesh(1, devices, 1, devices=jax.devices()[:devices]) if devices > 1 else None
     if engine == "dense":
-        eng = DenseJaxEngine(cfg, params, dtype="bfloat16", max_batch_size=4096, max_prompt_length=512,
-                             decode_attention=attention)
+        eng = DenseJaxEngine(cfg, params, mesh=mesh, dtype="bfloat16", max_batch_size=4096 * devices,
+                             max_prompt_length=512, decode_attention=attention)
     else:
-        eng = JaxEngine(cfg, params, dtype="bfloat16", max_prompt_length=512, decode_attention=attention,
-                        max_num_seqs=max_num_seqs)
+        eng = JaxEngine(cfg, params, mesh=mesh, dtype="bfloat16", max_prompt_length=512, decode_attention=attention,
+                        max_num_seqs=max_num_seqs, max_model_len=512 + max_new)
     eng.trace = engine == "dense"  # the dense engine counts its row-steps in its phase trace
     params = None
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
@@ -101,7 +105,8 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
         try:
             out = eng.generate(prompts, sp.replace(seed=rep), max_new_tokens_per_row=lens)
         except Exception as e:  # noqa: BLE001 (the row records the failure, e.g. out of memory)
-            emit(section=section, preset=preset, engine=engine, rep=rep, error=f"{type(e).__name__}: {str(e)[:300]}")
+            emit(section=section, preset=preset, engine=engine, devices=devices, rep=rep,
+                 error=f"{type(e).__name__}: {str(e)[:300]}")
             return
         dt = time.perf_counter() - t0
         assert np.array_equal(out.lengths, lens)
@@ -109,7 +114,7 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
         stats = getattr(eng, "last_stats", {})
         row_steps = stats["row_steps"] if engine == "paged" else sum(
             r["rows"] * (r["t1"] - r["t0"]) for r in eng.last_trace if r["phase"] == "decode")
-        emit(section=section, preset=preset, engine=engine, attention=eng.decode_attention, rep=rep,
+        emit(section=section, preset=preset, engine=engine, devices=devices, attention=eng.decode_attention, rep=rep,
              seconds=round(dt, 3), compile_s=round(compile_s[0], 3), tokens=int(lens.sum()),
              tokens_per_s=round(float(lens.sum() / dt), 1),
              row_steps_per_token=round(row_steps / lens.sum(), 3) if row_steps else None,
@@ -117,9 +122,46 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
              budget_gb=round(0.9 * mem[0] / 1e9, 2) if mem and engine == "paged" else None,
              **{f"kv_{k}": v for k, v in stats.items() if k in (
                  "num_pages", "kv_bytes", "preemptions", "segments", "prefill_calls", "shared_pages", "copies",
-                 "workspace_bytes")},
+                 "workspace_bytes", "shard_segments", "shard_seconds", "plan_s", "stolen", "programs_compiled",
+                 "programs_moved", "programs_loaded")},
              events={k: [v[0], round(v[1], 3)] for k, v in sorted(events.items())},
              programs={k: round(v, 2) for k, v in getattr(getattr(eng, "_programs", None), "stats", {}).items()})
+
+
+def check(preset: str, repeats: int):
+    """The shards' tokens on every mesh of the machine's GPUs equal one GPU's (greedy, and sampled: row streams),
+    so the executables loaded onto the other shards' devices compute what the first shard's do."""
+    import jax
+    import numpy as np
+
+    from jaxrl_llm import sharding
+    from jaxrl_llm.models import init_params
+    from jaxrl_llm.models.config import PRESETS
+    from jaxrl_llm.rollout import JaxEngine, SamplingParams
+    from scripts.bench_common import gsm8k_prompts
+
+    k = jax.device_count()
+    cfg = PRESETS[preset](dtype="bfloat16", param_dtype="bfloat16")
+    params = init_params(cfg, seed=0)
+    prompts = gsm8k_prompts(16 * k, vocab_size=cfg.vocab_size)
+    lens = np.random.default_rng(0).integers(1, 128, size=len(prompts) * 2)
+    meshes = {"1": None, f"fsdp{k}": sharding.make_mesh(1, k, 1)}
+    if k % 2 == 0 and cfg.num_key_value_heads % 2 == 0:
+        meshes[f"fsdp{k // 2}_tensor2"] = sharding.make_mesh(1, k // 2, 2)
+    for sp in (SamplingParams(n=2, temperature=0.0, max_new_tokens=128, ignore_eos=True),
+               SamplingParams(n=2, temperature=1.0, max_new_tokens=128, ignore_eos=True, seed=7)):
+        ref = None
+        for name, mesh in meshes.items():
+            eng = JaxEngine(cfg, params, mesh=mesh, dtype="bfloat16", max_prompt_length=512, max_model_len=640)
+            for _ in range(max(1, repeats)):  # the later calls reuse the programs and the pool
+                out = eng.generate(prompts, sp, max_new_tokens_per_row=lens)
+            ref = out if ref is None else ref
+            same = float(np.mean(np.all(out.tokens == ref.tokens, axis=1)))  # bf16 sums differ on tensor meshes
+            emit(section="check", preset=preset, mesh=name, temperature=sp.temperature, rows_equal_1gpu=same,
+                 logp_gap=float(np.abs(out.logprobs - ref.logprobs).max()),
+                 **{k2: v for k2, v in eng.last_stats.items() if k2 in ("shard_segments", "programs_compiled",
+                                                                         "programs_moved", "stolen", "seconds")})
+            del eng
 
 
 def main():
@@ -133,24 +175,32 @@ def main():
     ap.add_argument("--max_num_seqs", type=int, default=1024)
     ap.add_argument("--compile_cache", default=None,
                     help="a persistent compilation cache dir; also logs each program's trace/lower/compile times")
-    ap.add_argument("--one", nargs=3, metavar=("PRESET", "ENGINE", "SECTION"), help="(internal) one process's run")
+    ap.add_argument("--devices", default="1", help="GPUs a run uses (comma-separated: each in turn, e.g. 1,2)")
+    ap.add_argument("--one", nargs=4, metavar=("PRESET", "ENGINE", "SECTION", "DEVICES"),
+                    help="(internal) one process's run")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ROWS.path = os.path.join(args.out, "paged.jsonl")
+    if args.sections == "check":
+        check(args.presets.split(",")[0], args.repeats)
+        return
     if args.one:
-        one(*args.one, repeats=args.repeats, attention=args.attention, max_num_seqs=args.max_num_seqs,
-            compile_cache=args.compile_cache, out_dir=args.out)
+        preset, engine, section, devices = args.one
+        one(preset, engine, section, repeats=args.repeats, attention=args.attention, max_num_seqs=args.max_num_seqs,
+            compile_cache=args.compile_cache, out_dir=args.out, devices=int(devices))
         return
     for section in args.sections.split(","):
         for preset in args.presets.split(","):
             for engine in (args.engines.split(",") if section == "gen" else ["paged"]):
-                cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--one", preset, engine, section,
-                       "--repeats", str(args.repeats), "--attention", args.attention,
-                       "--max_num_seqs", str(args.max_num_seqs)]
-                cmd += ["--compile_cache", args.compile_cache] if args.compile_cache else []
-                rc = subprocess.run(cmd).returncode
-                if rc:
-                    emit(section=section, preset=preset, engine=engine, error=f"process exited {rc}")
+                for devices in args.devices.split(","):
+                    cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--one", preset, engine,
+                           section, devices, "--repeats", str(args.repeats), "--attention", args.attention,
+                           "--max_num_seqs", str(args.max_num_seqs)]
+                    cmd += ["--compile_cache", args.compile_cache] if args.compile_cache else []
+                    rc = subprocess.run(cmd).returncode
+                    if rc:
+                        emit(section=section, preset=preset, engine=engine, devices=int(devices),
+                             error=f"process exited {rc}")
 
 
 if __name__ == "__main__":

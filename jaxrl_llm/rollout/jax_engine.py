@@ -1,30 +1,39 @@
-"""The JAX-native rollout engine: a paged KV pool under a memory budget, with continuous batching.
+"""The JAX-native rollout engine: paged KV pools under a memory budget, with continuous batching, one engine a
+data-parallel shard.
 
 Per `generate` call:
 
-* **Pool**: pages of `page_size` tokens, sized once from the budget (`gpu_memory_utilization` of the
-  device's memory, counting what the trainer and the engine's weights already hold, or an explicit
-  `kv_cache_memory_bytes`) and released after the call when `free_cache_engine`, so the update gets
-  the memory back. A request whose longest row cannot fit the whole pool is refused before any work,
-  with the keys to change.
-* **Scheduler** (rollout/scheduler.py): every row waits in a queue; rows are admitted while pages and
-  slots (`max_num_seqs`) are free, refilled as rows finish, and the newest are preempted and
-  recomputed when pages run out. The `n` samples of a prompt share its prompt pages.
-* **Device** (rollout/paged_decode.py): chunked prefill into pages (`max_num_batched_tokens` a call),
-  then decode segments of up to `max_segment` steps, attention through block tables (the Pallas kernel
-  in kernels/paged_attention.py on GPUs, an XLA gather elsewhere). Slots, prefill rows and chunk
-  lengths come from power-of-two ladders, so a run compiles a fixed set of programs.
+* **Shards** (rollout/shard.py): every data-parallel group of the mesh (one device, or the devices that split
+  the heads over `tensor`) runs as an engine of its own, on a thread of its own, as vLLM runs one engine core
+  per data-parallel rank: its own scheduler, page pool, slot bucket and stop rule. `max_num_seqs` and
+  `max_num_batched_tokens` are per shard, as in vLLM. The request's prompt groups (a prompt's n samples
+  together) are dealt out evenly before admission (rollout/dealer.py); a shard that runs dry takes groups
+  that another has not admitted yet; no shard waits for another's rows.
+* **Pool**: each shard's pages of `page_size` tokens, sized once from the budget (`gpu_memory_utilization` of
+  the device's memory, counting what the trainer and the engine's weights already hold, or an explicit
+  `kv_cache_memory_bytes`) and kept at that size across calls (released after each call when
+  `free_cache_engine`, so the update gets the memory back). A request whose longest row cannot fit a pool is
+  refused before any work, with the keys to change.
+* **Scheduler** (rollout/scheduler.py): admission while pages and slots are free, refills as rows finish,
+  the newest preempted and recomputed when pages run out; the n samples of a prompt share its prompt pages.
+* **Programs** (rollout/ladders.py, rollout/programs.py): decode segments of up to `max_segment` steps over a
+  slot bucket and a block table of fixed width (`max_model_len`), prefill chunks and copies from fixed
+  ladders. They are built ahead in parallel before the first call, once for the first shard, and loaded onto
+  every other shard's devices; nothing compiles at a later call. `last_stats` counts what a call compiled.
 
-Greedy tokens and log-probs equal the dense engine's (rollout/dense_engine.py) and transformers'.
-Random draws too: row r's token t is drawn from fold_in(fold_in(key(seed), r), t) in both engines,
-whatever batch or slot it ran in and however often it was preempted (`seeds` replaces r by the caller's
-own stream id, as the agent loop does for each turn of a trajectory).
+Greedy tokens and log-probs equal the dense engine's (rollout/dense_engine.py) and transformers'. Random draws
+too: row r's token t is drawn from fold_in(fold_in(key(seed), r), t) in both engines, whatever shard, batch or
+slot it ran in and however often it was preempted (`seeds` replaces r by the caller's own stream id, as the
+agent loop does for each turn of a trajectory).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -32,76 +41,78 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
-from jaxrl_llm import distributed
+from jaxrl_llm import distributed, sharding
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.rollout import paged_decode
 from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from jaxrl_llm.rollout.dealer import Dealer, deal
+from jaxrl_llm.rollout.engine_memory import EngineMemory
 from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets, row_streams
-from jaxrl_llm.rollout.page_pool import KvBudget, PagePool, kv_bytes_per_token, pages_for, size_pool
+from jaxrl_llm.rollout.ladders import Ladders, pow2
+from jaxrl_llm.rollout.page_pool import pages_for
 from jaxrl_llm.rollout.programs import Programs, default_dir
-from jaxrl_llm.rollout.routing import record_routes, routed_experts_of_rows
-from jaxrl_llm.rollout.scheduler import MIN_SLOTS, PrefillTask, Row, Scheduler, slot_bucket
+from jaxrl_llm.rollout.routing import routed_experts_of_rows
+from jaxrl_llm.rollout.scheduler import Row, RowStore, slot_bucket, slot_ladder
+from jaxrl_llm.rollout.shard import Shard
 
 log = logging.getLogger(__name__)
 
-ATTN_BYTES = 512 << 20  # a prefill call's fp32 attention scores stay under this (chunks shrink as contexts grow)
-MIN_CHUNK = 16
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _floor_pow2(x: int) -> int:
-    return 1 << max(0, int(x).bit_length() - 1)
-
 
 @gin.configurable
-class JaxEngine(EngineWeights):
-    """Generates responses with the model's own JAX code on a paged KV pool; the default engine.
+class JaxEngine(EngineMemory, EngineWeights):
+    """Generates responses with the model's own JAX code on paged KV pools; the default engine.
 
     Args:
       cfg: the model config (its dtype fields are replaced by `dtype`).
       params: trainer params (any sharding), or None to set them later with `update_weights`.
-      mesh: the device mesh (None: the first device).
+      mesh: the device mesh (None: the first device). Every data-parallel group of it is a shard.
       dtype: engine weights, activations and KV dtype.
       max_prompt_length: longest accepted prompt.
-      max_num_seqs: rows decoded together at most (decode slots over all data-parallel shards).
-      max_num_batched_tokens: prompt tokens one prefill call processes at most.
+      max_model_len: prompt + response tokens a row holds at most (the block tables' width); None: the first
+        call's longest row, growing (with new programs) when a later call needs more.
+      max_num_seqs: rows a shard decodes together at most (per data-parallel shard, as vLLM's).
+      max_num_batched_tokens: prompt tokens one prefill call of a shard processes at most.
       page_size: tokens a KV page holds.
       gpu_memory_utilization: the share of the device's memory that total use (trainer state, engine
         weights, KV pool and the engine's temporaries) may reach while generating.
       kv_cache_memory_bytes: the KV pool's bytes per device; overrides the share.
-      free_cache_engine: release the pool after every `generate` (else keep it for the next call).
+      free_cache_engine: release the pools after every `generate` (else keep them for the next call).
       decode_attention: "pallas" (the paged kernel; interpret mode off GPU), "xla" (a gather of each
         row's pages), or "auto": the kernel on GPUs where its shapes allow, XLA elsewhere.
       max_segment: decode steps between scheduling decisions at most.
       share_prompt_pages: the n samples of a prompt share its prompt's pages.
+      warm_programs: build every program of the ladders before the first call: "auto" (on accelerators; on
+        the CPU programs compile when first needed), True or False.
     """
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
-                 max_prompt_length: int = 1024, max_num_seqs: int = 1024, max_num_batched_tokens: int = 8192,
-                 page_size: int = 16, gpu_memory_utilization: float = 0.9, kv_cache_memory_bytes: int | None = None,
-                 free_cache_engine: bool = True, decode_attention: str = "auto", max_segment: int = 64,
-                 share_prompt_pages: bool = True):
+                 max_prompt_length: int = 1024, max_model_len: int | None = None, max_num_seqs: int = 1024,
+                 max_num_batched_tokens: int = 8192, page_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 kv_cache_memory_bytes: int | None = None, free_cache_engine: bool = True,
+                 decode_attention: str = "auto", max_segment: int = 64, share_prompt_pages: bool = True,
+                 warm_programs: bool | str = "auto"):
         _check(page_size >= 1 and page_size & (page_size - 1) == 0, "rollout.page_size",
                f"{page_size}: use a power of two (16 is vLLM's default)")
         _check(max_num_seqs >= 1, "rollout.max_num_seqs", f"{max_num_seqs}: need >= 1")
-        _check(max_num_batched_tokens >= MIN_CHUNK, "rollout.max_num_batched_tokens",
-               f"{max_num_batched_tokens}: need >= {MIN_CHUNK}")
+        _check(max_num_batched_tokens >= 16, "rollout.max_num_batched_tokens", f"{max_num_batched_tokens}: need >= 16")
         _check(0.0 < gpu_memory_utilization <= 1.0, "rollout.gpu_memory_utilization",
                f"{gpu_memory_utilization}: need a fraction in (0, 1]")
         _check(kv_cache_memory_bytes is None or kv_cache_memory_bytes > 0, "rollout.kv_cache_memory_bytes",
                f"{kv_cache_memory_bytes}: need a positive byte count, or None to size from the fraction")
+        _check(max_model_len is None or max_model_len >= 2, "rollout.max_model_len",
+               f"{max_model_len}: need prompt + response tokens (>= 2), or None")
         from kernels.paged_attention import paged_attention_supported
 
         self.decode_attention = resolve_decode_attention(
             decode_attention, paged_attention_supported(page_size, cfg.head_dim),
             f"a power-of-two page size and head dim >= 16 (page {page_size}, head dim {cfg.head_dim})")
-        super().__init__(cfg, params, mesh=mesh, dtype=dtype, max_prompt_length=max_prompt_length)
-        self.max_num_seqs = max(self._dp, max_num_seqs - max_num_seqs % self._dp)
+        if mesh is None:  # one device: a mesh of one, so every path is the sharded one
+            mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+        super().__init__(cfg, params=None, mesh=mesh, dtype=dtype, max_prompt_length=max_prompt_length)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.page_size = page_size
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -109,131 +120,150 @@ class JaxEngine(EngineWeights):
         self.free_cache_engine = free_cache_engine
         self.max_segment = max_segment
         self.share_prompt_pages = share_prompt_pages
-        self._tensor = self.mesh.shape["tensor"] if self.mesh is not None and "tensor" in self.mesh.shape else 1
-        self._pool = None
-        self._budget: KvBudget | None = None
+        self.warm_programs = (jax.devices()[0].platform != "cpu") if warm_programs == "auto" else bool(warm_programs)
+        self._tensor = self.mesh.shape.get("tensor", 1)
+        self.shards = self._make_shards()
+        me = distributed.process_index()
+        self.local_shards = [s for s in self.shards if any(d.process_index == me for d in s.devices)]
+        # Stealing depends on timing: only where no shard's devices span processes (see rollout/dealer.py).
+        self._steal = all(len({d.process_index for d in s.devices}) == 1 for s in self.shards)
+        self.ladders: Ladders | None = None
+        self._budget = None
         self._programs: Programs | None = None
+        self._alloc_fns: dict = {}
+        self._warmed: set = set()
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self.last_stats: dict = {}
+        if params is not None:
+            self.update_weights(params)
         self._programs_for()  # a warm cache's programs load while the caller does other work
 
-    # ---- memory ------------------------------------------------------------------------------
+    def _make_shards(self) -> list[Shard]:
+        """A shard per data-parallel group: the devices at one (data, fsdp, expert) place, in tensor order."""
+        devs = self.mesh.devices.reshape(-1, self._tensor)
+        shape = tuple(1 if a != "tensor" else self._tensor for a in self.mesh.axis_names)
+        return [Shard(self, i, Mesh(devs[i].reshape(shape), self.mesh.axis_names,
+                                    axis_types=self.mesh.axis_types)) for i in range(devs.shape[0])]
+
     @property
-    def _kv_heads_local(self) -> int:
-        k = self.cfg.num_key_value_heads
-        return k // self._tensor if k % self._tensor == 0 else k
+    def _base(self) -> Shard:
+        """The shard whose devices programs are compiled for (the first this process drives)."""
+        return self.local_shards[0]
 
-    def page_bytes(self) -> int:
-        """One page's K and V over every layer, on one device."""
-        itemsize = jnp.dtype(self.cfg.dtype).itemsize
-        return self.page_size * kv_bytes_per_token(self.cfg.num_hidden_layers, self._kv_heads_local,
-                                                   self.cfg.head_dim, itemsize)
+    # ---- weights -----------------------------------------------------------------------------
+    def update_weights(self, params, *, step: int | None = None) -> int:
+        for s in self.shards:  # the views hold the old weights' buffers: drop them before the new copy
+            s.set_params(None)
+        version = super().update_weights(params, step=step)
+        for s in self.local_shards:
+            s.set_params(self.params)
+        return version
 
-    def workspace_bytes(self, table_width: int) -> int:
-        """The decode and prefill temporaries a device holds beside the pool (an estimate from shapes)."""
-        c, itemsize = self.cfg, jnp.dtype(self.cfg.dtype).itemsize
-        s = -(-self.max_num_seqs // self._dp)
-        v, n, kh = c.vocab_size, c.num_attention_heads, self._kv_heads_local
-        decode = s * v * 4 * 4  # fp32 logits, their log-softmax and the sampler's temporaries
-        if self.decode_attention == "xla":  # one layer's gathered pages and scores
-            decode += s * table_width * self.page_size * (2 * kh * c.head_dim * itemsize + n * 4 * 2)
-        t = self.max_num_batched_tokens
-        prefill = t * (3 * c.hidden_size + c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size) * itemsize
-        prefill += 2 * ATTN_BYTES
-        return int(max(decode, prefill) + (256 << 20))
+    def release_weights(self) -> None:
+        for s in self.shards:
+            s.set_params(None)
+        super().release_weights()
 
-    def _size_pool(self, rows: int, longest: int, table_width: int) -> KvBudget:
-        per_shard_rows = min(-(-rows // self._dp), self.max_num_seqs // self._dp)
-        unbounded = self._dp * (per_shard_rows * pages_for(longest, self.page_size) + 1)
-        budget = size_pool(page_bytes=self.page_bytes(), shards=self._dp, workspace=self.workspace_bytes(table_width),
-                           gpu_memory_utilization=self.gpu_memory_utilization,
-                           kv_cache_memory_bytes=self.kv_cache_memory_bytes, unbounded_pages=unbounded)
-        if distributed.process_count() > 1:  # every process must build the same pool
-            pages = min(distributed.allgather_objects(budget.num_pages))
-            budget = KvBudget(pages, budget.page_bytes, budget.source, budget.device_limit, budget.in_use,
-                              budget.workspace)
-        return budget
-
-    def _check_fits(self, budget: KvBudget, longest: int, prompt_len: int, max_new: int) -> None:
-        usable = budget.num_pages // self._dp - 1
-        need = pages_for(longest, self.page_size)
-        if usable >= need:
-            return
-        gib = budget.num_pages // self._dp * budget.page_bytes / 2**30
-        where = {"kv_cache_memory_bytes": f"rollout.kv_cache_memory_bytes = {self.kv_cache_memory_bytes}",
-                 "gpu_memory_utilization": (f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization} of "
-                                            f"{budget.device_limit / 2**30:.1f} GiB, less {budget.in_use / 2**30:.1f} "
-                                            f"GiB in use and {budget.workspace / 2**30:.1f} GiB of workspace"),
-                 "unbounded": "the unbounded pool"}[budget.source]
-        raise RolloutError(
-            f"the KV pool cannot hold one longest response: it has {max(usable, 0)} usable pages of {self.page_size} "
-            f"tokens a device ({gib:.2f} GiB, from {where}), and a row of prompt {prompt_len} + max_new_tokens "
-            f"{max_new} tokens needs {need}. Raise rollout.gpu_memory_utilization or set "
-            "rollout.kv_cache_memory_bytes, lower data.max_response_length or data.max_prompt_length, or free "
-            "device memory (trainer.ref_offload, a tensor-parallel mesh with train.mesh_tensor)")
-
-    def release(self) -> None:
-        """Frees the KV pool now (it is re-allocated by the next `generate`)."""
-        if self._pool is not None:
-            for k, v in self._pool:
-                k.delete()
-                v.delete()
-        self._pool = None
-
-    # ---- jitted programs ---------------------------------------------------------------------
-    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_pages", "spec"))
-    def _alloc(self, *, num_pages, spec):
-        return paged_decode.alloc_pool(num_pages, self.page_size, spec, jnp.dtype(self.cfg.dtype))
-
-    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2,))
-    def _prefill(self, eparams, pool, ids, tables, start, length, scratch, *, spec):
-        return paged_decode.prefill_chunk(eparams, pool, ids, tables, start, length, scratch, spec=spec)
+    # ---- programs ----------------------------------------------------------------------------
+    @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "length"), donate_argnums=(2,))
+    def _prefill(self, eparams, pool, packed, *, spec, length):
+        return paged_decode.prefill_packed(eparams, pool, packed, spec=spec, length=length)
 
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
-    def _copy(self, pool, src, dst):
-        return paged_decode.copy_pages(pool, src, dst)
+    def _copy(self, pool, packed):
+        return paged_decode.copy_packed(pool, packed)
 
     @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2,))
-    def _decode(self, eparams, pool, tables, pos, last, t, row_max, active, rids, scratch, key, seg_len, stop_free,
-                *, spec):
-        return paged_decode.decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, scratch, key,
-                                           seg_len, stop_free, spec=spec, max_seg=self.max_segment)
+    def _decode(self, eparams, pool, packed, *, spec):
+        return paged_decode.decode_packed(eparams, pool, packed, spec=spec, max_seg=self.max_segment)
 
-    def _program(self, name: str, *args, **static):
-        """The compiled program `name` for these inputs (see rollout/programs.py); call it with `args`."""
-        keep = name != "_alloc"  # zeros: compiled in milliseconds, and kept only in memory
-        return self._programs_for().get(name, getattr(type(self), name), self, args, static, keep=keep)
+    def _alloc_fn(self, shard: Shard, num_pages: int, spec, pool_sharding: NamedSharding):
+        """The zeroed-pool program of one shard (compiled in milliseconds, kept in memory)."""
+        key = (shard.index, num_pages, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        if key not in self._alloc_fns:
+            dt = jnp.dtype(self.cfg.dtype)
+            fn = functools.partial(paged_decode.alloc_pool, num_pages, self.page_size, spec, dt)
+            with jax.set_mesh(shard.mesh):
+                self._alloc_fns[key] = jax.jit(fn, out_shardings=[(pool_sharding, pool_sharding)] * spec.num_layers)
+        return self._alloc_fns[key]
 
     def _programs_for(self) -> Programs:
         """The engine's programs; built on first use, and loading those kept by an earlier run from then on."""
         if self._programs is None:
-            devices = self.mesh.devices.flat if self.mesh is not None else jax.devices()[:1]
-            self._programs = Programs(self._fingerprint(), devices, default_dir())
+            self._programs = Programs(self._fingerprint(), self._base.devices, default_dir())
             self._programs.preload()
         return self._programs
 
     def _fingerprint(self) -> str:
-        mesh = None if self.mesh is None else (dict(self.mesh.shape), self.mesh.device_ids.tolist())
-        return repr((type(self).__name__, self.cfg, self.page_size, self.max_segment, self.decode_attention, mesh))
+        base = (dict(self._base.mesh.shape), [d.id for d in self._base.devices])
+        return repr((type(self).__name__, self.cfg, self.page_size, self.max_segment, self.decode_attention, base))
 
-    def _decode_args(self, pool, s: int, width: int, key, spec) -> tuple:
-        """Inputs of a decode segment over `s` slots (zeros; their shapes and shardings key the program)."""
-        z = self._put(np.zeros(s, np.int32))
-        return (self.params, pool, self._put(np.zeros((s, width), np.int32)), z, z, z, z,
-                self._put(np.zeros(s, bool)), z, z, key, np.int32(0), np.int32(0))
+    def _abstract(self, args, mesh: Mesh):
+        """`args` as ShapeDtypeStructs on `mesh` (device arrays keep their partition spec, written out to one entry
+        a dimension so that a program's output and a fresh array of the same layout key the same program; host
+        arrays are replicated): the shapes a program of `mesh`'s devices is compiled for."""
+        def one(x):
+            spec = tuple(getattr(getattr(x, "sharding", None), "spec", ()))
+            spec = jax.sharding.PartitionSpec(*spec, *([None] * (len(x.shape) - len(spec))))
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
-    def _warm_decode(self, rows: int, num_pages: int, width: int, key, spec) -> None:
-        """Builds the decode programs of every slot bucket this call can reach, in parallel threads, before
-        the pool is allocated (so XLA's autotuning has the device's memory). Not on the CPU backend, where the
-        compiles share the cores that run them and a short rollout reaches few of the buckets."""
-        if jax.devices()[0].platform == "cpu":
+        return jax.tree.map(one, args)
+
+    def _shard_program(self, shard: Shard, name: str, args: tuple, static: dict):
+        """The compiled program `name` of `shard` for inputs shaped like `args`: compiled (or loaded) once for
+        the base shard, then loaded onto `shard`'s devices; compiled for them where that cannot be done. The
+        shard keeps the handle under the host input's shape (its weights' and pool's shapes are fixed), so a
+        segment finds its program without hashing the inputs."""
+        memo = (name, args[-1].shape, tuple(sorted(static.items())))
+        if memo in shard.programs:
+            return shard.programs[memo]
+        base, programs = self._base, self._programs_for()
+        jitted = getattr(type(self), name)
+        abstract = self._abstract(args, base.mesh)
+        with jax.set_mesh(base.mesh):
+            compiled = programs.get(name, jitted, self, abstract, static)
+        moved = compiled
+        if shard is not base:
+            moved = None
+            if shard.local and base.local:
+                moved = programs.for_group(programs.key(name, abstract, static), compiled, base.devices, shard.devices)
+            if moved is None:
+                own = self._abstract(args, shard.mesh)
+                with jax.set_mesh(shard.mesh):
+                    moved = programs.get(f"{name}@{shard.index}", jitted, self, own, static)
+        shard.programs[memo] = moved
+        return moved
+
+    def _warm(self, spec, rows: int, num_pages: int) -> None:
+        """Builds every program this call's shards can reach (decode over each slot bucket up to the rows a
+        shard may hold, the prefill and copy ladders) in parallel threads, before the pools are allocated (so
+        XLA's autotuning has the device's memory); then loads them onto the other shards."""
+        lad, base = self.ladders, self._base
+        top = slot_bucket(min(self.max_num_seqs, rows))
+        if not self.warm_programs or (spec, top, num_pages, lad) in self._warmed:
             return
-        cap = max(1, self.max_num_seqs // self._dp)
-        top = min(cap, max(1, -(-rows // self._dp)))
-        widths = sorted({min(cap, max(MIN_SLOTS, slot_bucket(k))) for k in range(1, top + 1)})
-        pool = self._program("_alloc", num_pages=num_pages, spec=spec).out_info
-        items = [("_decode", type(self)._decode, self, self._decode_args(pool, w * self._dp, width, key, spec),
-                  {"spec": spec}) for w in widths]
-        self._programs_for().warm(items, context=self._mesh_ctx)
+        pool_shape = (spec.num_kv_heads, num_pages, self.page_size, spec.head_dim)
+        page = jax.ShapeDtypeStruct(pool_shape, jnp.dtype(self.cfg.dtype), sharding=base.pool_sharding(pool_shape))
+        pool = [(page, page) for _ in range(spec.num_layers)]
+        params = base.params
+        shapes = [("_decode", (params, pool, np.zeros((s, lad.width + paged_decode.DECODE_COLS), np.int32)),
+                   {"spec": spec}) for s in slot_ladder(self.max_num_seqs) if s <= top]
+        for fresh, lengths in ((True, lad.fresh_lengths(self.max_prompt_length)), (False, lad.cont_lengths)):
+            for length in lengths:
+                for b in lad.row_options(length, fresh):
+                    packed = np.zeros((b, length + lad.table_width(length, fresh) + 2), np.int32)
+                    shapes.append(("_prefill", (params, pool, packed), {"spec": spec, "length": length}))
+        shapes.append(("_copy", (pool, np.zeros((2, lad.copy_slots), np.int32)), {}))
+        programs = self._programs_for()
+        items = [(name, getattr(type(self), name), self, self._abstract(args, base.mesh), static)
+                 for name, args, static in shapes]
+        programs.warm(items, context=lambda: jax.set_mesh(base.mesh))
+        moves = [(shard, *shape) for shard in self.local_shards[1:] for shape in shapes]
+        if moves:  # loading an executable (about 0.5 s for a 7B program on a GPU) releases the GIL: in parallel
+            with concurrent.futures.ThreadPoolExecutor(min(programs.threads, len(moves))) as ex:
+                for f in [ex.submit(self._shard_program, *m) for m in moves]:
+                    f.result()
+        self._warmed.add((spec, top, num_pages, lad))
 
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
@@ -247,174 +277,123 @@ class JaxEngine(EngineWeights):
         """
         n = sampling.n
         row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, sampling.max_new_tokens)
-        spec = self._request_spec(prompts, sampling, row_max)
+        # The rows' budgets are an input of the programs, not part of their key.
+        spec = dataclasses.replace(self._request_spec(prompts, sampling, row_max), max_new_tokens=0)
         streams = row_streams(seeds, len(prompts) * n)
-        rows = [Row(rid=i * n + j, prompt=i, ids=list(map(int, prompts[i])), max_tokens=int(row_max[i * n + j]),
+        store = RowStore(len(prompts) * n, int(row_max.max()), spec.pad_id)
+        ids = [np.asarray(p, np.int32) for p in prompts]
+        rows = [Row(rid=i * n + j, prompt=i, ids=ids[i], max_tokens=int(row_max[i * n + j]), store=store,
                     stream=int(streams[i * n + j])) for i in range(len(prompts)) for j in range(n)]
         if spec.record_routing:
             for r in rows:
                 r.routes = np.full((len(r.ids) + r.max_tokens, spec.num_moe_layers, spec.moe_top_k), -1, np.int32)
         longest_row = max(rows, key=lambda r: len(r.ids) + r.max_tokens)
         longest = len(longest_row.ids) + longest_row.max_tokens - 1  # positions a row writes at most
-        width = _pow2(pages_for(longest, self.page_size))
+        self._fix_width(longest)
+        before = dict(self._programs_for().stats)
         t0 = time.perf_counter()
-        with self._mesh_ctx():
-            budget = self._budget
-            if self._pool is None:
-                budget = self._size_pool(len(rows), longest, width)
+        shard_stats: list[dict] = []
+        try:
+            with jax.set_mesh(self.mesh):
+                budget = self._pool_budget(len(rows), longest)
             self._check_fits(budget, longest, len(longest_row.ids), longest_row.max_tokens)
-            key = jax.random.key(sampling.seed)
-            self._warm_decode(len(rows), budget.num_pages, width, key, spec)
-            if self._pool is None:
-                self._pool = self._program("_alloc", num_pages=budget.num_pages, spec=spec)()
-                self._budget = budget
-            pool = PagePool(budget.num_pages, self.page_size, self._dp)
-            sched = Scheduler(pool, rows, max_num_seqs=self.max_num_seqs, max_seg=self.max_segment,
-                              share_prompts=self.share_prompt_pages)
-            stats = dict(segments=0, row_steps=0, decode_steps=0, prefill_calls=0)
-            try:
-                while not sched.done():
-                    plan = sched.plan()
-                    self._run_prefills(plan.prefills, pool, width, spec, stats)
-                    if plan.copies:
-                        self._run_copies(plan.copies, pool)
-                    self._run_segment(plan, sched, pool, width, key, spec, stats)
-            finally:
-                if self.free_cache_engine:
-                    self.release()
-        stats.update(sched.stats, num_pages=budget.num_pages, page_size=self.page_size,
-                     kv_bytes=budget.num_pages // self._dp * budget.page_bytes, budget_source=budget.source,
-                     workspace_bytes=budget.workspace, seconds=time.perf_counter() - t0,
-                     tokens=sum(len(r.tokens) for r in rows))
-        self.last_stats = stats
-        return self._result(rows, len(prompts), n, spec)
+            self._warm(spec, len(rows), budget.num_pages)
+            for s in self.local_shards:
+                if s.pool is None:
+                    s.alloc(budget.num_pages, spec)
+            key = np.asarray(jax.random.key_data(jax.random.key(sampling.seed))).view(np.int32).reshape(-1)
+            groups = [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
+            dealer = Dealer(deal(groups, len(self.shards)), [s.index for s in self.local_shards], steal=self._steal)
+            shard_stats = self._run_shards(dealer, spec, key)
+        finally:
+            if self.free_cache_engine:
+                self.release()
+        if distributed.process_count() > 1:
+            self._gather(rows, store, dealer)
+        self.last_stats = self._stats(shard_stats, budget, dealer, before, time.perf_counter() - t0, store)
+        return self._result(rows, store, len(prompts), n, spec)
 
-    def _result(self, rows: list[Row], num_prompts: int, n: int, spec) -> RolloutBatch:
-        lengths = np.asarray([len(r.tokens) for r in rows], np.int32)
+    def _run_shards(self, dealer: Dealer, spec, key: np.ndarray) -> list[dict]:
+        """Runs every local shard to the end, each on its own thread; the first failure stops the others."""
+        stop = threading.Event()
+
+        def one(shard: Shard) -> dict:
+            try:
+                return shard.run(dealer.source(shard.index), spec, key, stop)
+            except BaseException:
+                stop.set()
+                raise
+
+        if len(self.local_shards) == 1:
+            return [one(self.local_shards[0])]
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(len(self.local_shards), thread_name_prefix="shard")
+        futures = [self._threads.submit(one, s) for s in self.local_shards]
+        return [f.result() for f in futures]
+
+    def _gather(self, rows: list[Row], store: RowStore, dealer: Dealer) -> None:
+        """Every process's rows on every process (each ran its own shards' rows)."""
+        mine = np.asarray(sorted(r.rid for q in (dealer.dealt[s.index] for s in self.local_shards)
+                                 for g in q for r in g), np.int64)
+        length = store.lengths[mine]
+        width = int(length.max()) if mine.size else 0
+        routes = [rows[i].routes for i in mine] if rows[0].routes is not None else None
+        parts = distributed.allgather_objects((mine, length, store.tokens[mine, :width], store.logps[mine, :width],
+                                               routes))
+        for rids, lengths, tokens, logps, part_routes in parts:
+            store.lengths[rids] = lengths
+            store.tokens[rids, : tokens.shape[1]] = tokens
+            store.logps[rids, : logps.shape[1]] = logps
+            if part_routes is not None:
+                for i, r in zip(rids, part_routes):
+                    rows[i].routes = r
+
+    def _stats(self, shard_stats: list[dict], budget, dealer: Dealer, before: dict, seconds: float,
+               store: RowStore) -> dict:
+        sums = ("segments", "decode_steps", "row_steps", "prefill_calls", "preemptions", "admitted",
+                "prefill_tokens", "shared_pages", "copies")
+        out = {k: sum(s[k] for s in shard_stats) for k in sums}
+        after = self._programs_for().stats
+        out.update(
+            shards=len(self.shards), shard_segments=[s["segments"] for s in shard_stats],
+            shard_seconds=[round(s["seconds"], 4) for s in shard_stats],
+            shard_tokens=[s["tokens"] for s in shard_stats], plan_s=max((s["plan_s"] for s in shard_stats), default=0),
+            stolen=dealer.stolen, num_pages=budget.num_pages, page_size=self.page_size,
+            kv_bytes=budget.num_pages * budget.page_bytes, budget_source=budget.source,
+            workspace_bytes=budget.workspace, table_width=self.ladders.width, seconds=seconds,
+            tokens=int(store.lengths.sum()),
+            programs_compiled=after["compiled"] - before.get("compiled", 0),
+            programs_loaded=after["loaded"] - before.get("loaded", 0),
+            programs_moved=after["moved"] - before.get("moved", 0),
+            compile_s=after["compile_s"] - before.get("compile_s", 0.0))
+        return out
+
+    def _result(self, rows: list[Row], store: RowStore, num_prompts: int, n: int, spec) -> RolloutBatch:
+        lengths = store.lengths.copy()
         width = int(lengths.max())
-        tokens = np.full((len(rows), width), spec.pad_id, np.int32)
-        logps = np.zeros((len(rows), width), np.float32)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r.tokens)] = r.tokens
-            logps[i, : len(r.logps)] = r.logps
-        stop_set = set(spec.stop_ids)
-        reasons = ["stop" if r.tokens[-1] in stop_set else "length" for r in rows]
+        mask = np.arange(width)[None, :] < lengths[:, None]
+        tokens = np.where(mask, store.tokens[:, :width], spec.pad_id).astype(np.int32)
+        logps = np.where(mask, store.logps[:, :width], 0.0).astype(np.float32)
+        last = store.tokens[np.arange(len(rows)), np.maximum(lengths - 1, 0)]
+        reasons = np.where(np.isin(last, np.asarray(spec.stop_ids, np.int32)), "stop", "length").tolist()
         return RolloutBatch(prompt_index=np.repeat(np.arange(num_prompts), n), tokens=tokens, logprobs=logps,
                             lengths=lengths, finish_reasons=reasons, weight_version=self.version,
                             routed_experts=routed_experts_of_rows(rows, width) if spec.record_routing else None)
 
-    def _local(self, pool: PagePool, page: int) -> int:
-        return page - pool.shard_of(page) * pool.per_shard
-
-    def _run_prefills(self, tasks: list[PrefillTask], pool: PagePool, width: int, spec, stats: dict) -> None:
-        """Prefills in chunks: fresh rows first (their pages may be shared by resumed rows), each phase in
-        waves (chunk i of every row, then chunk i + 1), each wave in calls of similar chunk lengths."""
-        n_heads = self.cfg.num_attention_heads
-        for phase in ([t for t in tasks if not t.row.tokens], [t for t in tasks if t.row.tokens]):
-            cursor = {id(t): t.start for t in phase}
-            while True:
-                wave = []
-                for t in phase:
-                    a = cursor[id(t)]
-                    if a >= t.end:
-                        continue
-                    ctx = _pow2(pages_for(t.end, self.page_size)) * self.page_size
-                    cap = min(self.max_num_batched_tokens, max(MIN_CHUNK, ATTN_BYTES // (n_heads * 4 * ctx)))
-                    b = min(t.end, a + _floor_pow2(cap))
-                    wave.append((t, a, b))
-                    cursor[id(t)] = b
-                if not wave:
-                    break
-                wave.sort(key=lambda w: -(w[2] - w[1]))
-                while wave:
-                    wave = self._prefill_call(wave, pool, width, spec, n_heads)
-                    stats["prefill_calls"] += 1
-
-    def _prefill_call(self, wave, pool: PagePool, width: int, spec, n_heads: int):
-        """One prefill call on the longest chunks of `wave` (sorted by length); returns the rest."""
-        length = max(MIN_CHUNK, _pow2(wave[0][2] - wave[0][1]))
-        ctx_pages = _pow2(max(pages_for(b, self.page_size) for _, _, b in wave))
-        ctx_pages = min(ctx_pages, width)
-        per_call = max(1, min(self.max_num_batched_tokens // length,
-                              ATTN_BYTES // (n_heads * 4 * length * ctx_pages * self.page_size)))
-        per_shard = _floor_pow2(max(1, per_call // self._dp))
-        take, rest, counts = [], [], [0] * self._dp
-        for w in wave:
-            shard = w[0].row.shard
-            if counts[shard] < per_shard:
-                counts[shard] += 1
-                take.append(w)
-            else:
-                rest.append(w)
-        b_local = _pow2(max(counts))
-        b = b_local * self._dp
-        ids = np.zeros((b, length), np.int32)
-        tables = np.zeros((b, ctx_pages), np.int32)
-        start = np.zeros(b, np.int32)
-        lens = np.zeros(b, np.int32)
-        fill = [0] * self._dp
-        for task, a, e in take:
-            row = task.row
-            i = row.shard * b_local + fill[row.shard]
-            fill[row.shard] += 1
-            ctx = row.context()
-            ids[i, : e - a] = ctx[a:e]
-            pages = [self._local(pool, p) for p in task.pages[:ctx_pages]]
-            tables[i, : len(pages)] = pages
-            start[i], lens[i] = a, e - a
-        args = (self.params, self._pool, self._put(ids), self._put(tables), self._put(start), self._put(lens),
-                self._put(np.zeros(b, np.int32)))
-        self._pool, routes = self._program("_prefill", *args, spec=spec)(*args)
-        if routes is not None:  # [b, length, L_moe, k]
-            routes = distributed.fetch_tree(routes)
-            fill = [0] * self._dp
-            for task, a, e in take:
-                i = task.row.shard * b_local + fill[task.row.shard]
-                fill[task.row.shard] += 1
-                record_routes(task.row, a, routes[i, : e - a])
-        return rest
-
-    def _run_copies(self, copies: list[tuple[int, int]], pool: PagePool) -> None:
-        per = [[] for _ in range(self._dp)]
-        for src, dst in copies:
-            per[pool.shard_of(src)].append((self._local(pool, src), self._local(pool, dst)))
-        c = _pow2(max(len(p) for p in per))
-        src = np.zeros((self._dp, c), np.int32)
-        dst = np.zeros((self._dp, c), np.int32)
-        for d, pairs in enumerate(per):
-            for j, (s_, t_) in enumerate(pairs):
-                src[d, j], dst[d, j] = s_, t_
-        args = (self._pool, self._put(src), self._put(dst))
-        self._pool = self._program("_copy", *args)(*args)
-
-    def _run_segment(self, plan, sched: Scheduler, pool: PagePool, width: int, key, spec, stats: dict) -> None:
-        slots = [r for shard in plan.slots for r in shard]
-        s = len(slots)
-        live = [r for r in slots if r is not None]
-        tables = np.zeros((s, width), np.int32)
-        pos, last, t, row_max, rids = (np.zeros(s, np.int32) for _ in range(5))
-        active = np.zeros(s, bool)
-        for i, r in enumerate(slots):
-            if r is None:
-                continue
-            pages = [self._local(pool, p) for p in r.pages[:width]]
-            tables[i, : len(pages)] = pages
-            pos[i], last[i], t[i], row_max[i], rids[i] = r.context_len, r.pending, len(r.tokens), r.max_tokens, r.stream
-            active[i] = True
-        args = (self.params, self._pool, self._put(tables), self._put(pos), self._put(last), self._put(t),
-                self._put(row_max), self._put(active), self._put(rids), self._put(np.zeros(s, np.int32)), key,
-                np.int32(plan.seg), np.int32(plan.stop_free))
-        self._pool, out = self._program("_decode", *args, spec=spec)(*args)
-        out = distributed.fetch_tree(out)
-        idx = [i for i, r in enumerate(slots) if r is not None]
-        if "routing" in out:  # step j fed position pos + j
-            for i in idx:
-                record_routes(slots[i], int(pos[i]), out["routing"][i, : int(out["count"][i])])
-        finished = ~out["active"][idx]
-        sched.commit(live, out["tokens"][idx], out["logps"][idx], out["count"][idx], finished)
-        stats["segments"] += 1
-        stats["decode_steps"] += int(out["steps"])
-        stats["row_steps"] += int(out["steps"]) * s
+    def _fix_width(self, longest: int) -> None:
+        """The block tables' width, from `max_model_len` (fixed), or grown to cover the longest row so far."""
+        if self.max_model_len is not None and longest + 1 > self.max_model_len:
+            raise RolloutError(f"a row of {longest + 1} tokens (prompt + max_new_tokens) exceeds the engine's "
+                               f"max_model_len {self.max_model_len} (rollout.max_model_len; default "
+                               "data.max_prompt_length + data.max_response_length)")
+        need = pow2(pages_for(self.max_model_len or longest, self.page_size))
+        if self.ladders is None or need > self.ladders.width:
+            if self.ladders is not None:
+                log.info("paged engine: rows of %d tokens need a wider block table (%d -> %d pages): new programs",
+                         longest + 1, self.ladders.width, need)
+            self.ladders = Ladders(width=need, page_size=self.page_size, num_heads=self.cfg.num_attention_heads,
+                                   max_batched_tokens=self.max_num_batched_tokens,
+                                   max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs)
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -422,7 +401,8 @@ def _check(ok: bool, key: str, msg: str) -> None:
         raise ValueError(f"{key} = {msg}")
 
 
-def make_jax_engine(cfg: Qwen2Config, params, mesh: Mesh | None, *, rollout, max_prompt_length: int):
+def make_jax_engine(cfg: Qwen2Config, params, mesh: Mesh | None, *, rollout, max_prompt_length: int,
+                    max_model_len: int | None = None):
     """The trainer's JAX engine from its `rollout.*` config: paged (the default) or dense."""
     if rollout.kv_cache == "dense":
         from jaxrl_llm.rollout.dense_engine import DenseJaxEngine
@@ -430,7 +410,8 @@ def make_jax_engine(cfg: Qwen2Config, params, mesh: Mesh | None, *, rollout, max
         return DenseJaxEngine(cfg, params, mesh=mesh, dtype=cfg.dtype, max_prompt_length=max_prompt_length,
                               max_batch_size=rollout.max_batch_size, decode_attention=rollout.decode_attention)
     return JaxEngine(cfg, params, mesh=mesh, dtype=cfg.dtype, max_prompt_length=max_prompt_length,
-                     max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
-                     page_size=rollout.page_size, gpu_memory_utilization=rollout.gpu_memory_utilization,
+                     max_model_len=max_model_len, max_num_seqs=rollout.max_num_seqs,
+                     max_num_batched_tokens=rollout.max_num_batched_tokens, page_size=rollout.page_size,
+                     gpu_memory_utilization=rollout.gpu_memory_utilization,
                      kv_cache_memory_bytes=rollout.kv_cache_memory_bytes, free_cache_engine=rollout.free_cache_engine,
                      decode_attention=rollout.decode_attention)

@@ -6,9 +6,9 @@ reference counts (the `n` samples of a prompt share its prompt pages; a shared p
 anyone writes into it) and epochs (a page freed and handed out again gets a new epoch, so a stale
 reference to it is detected). Nothing here touches the device.
 
-With several data-parallel shards the pool is split into equal page ranges, one per shard; a row's
-pages all come from the shard that decodes it. Page 0 of every shard is a scratch page: unused block
-table entries point at it, and rows that have finished write their (discarded) K/V there.
+Each data-parallel shard of the engine is an engine of its own (rollout/shard.py), with a pool of its own on
+its devices: a `PagePool` is one shard's. Page 0 is a scratch page: unused block-table entries point at it,
+and rows that have finished write their (discarded) K/V there.
 
 Glossary: P pages, ps page size, K kv heads, H head dim, L layers.
 """
@@ -26,58 +26,62 @@ log = logging.getLogger(__name__)
 
 
 class PagePool:
-    """Free lists and reference counts of `num_pages` pages split over `shards` equal ranges."""
+    """Free list, reference counts and epochs of one engine's `num_pages` pages (page 0 is scratch).
 
-    def __init__(self, num_pages: int, page_size: int, shards: int = 1):
-        if num_pages % shards:
-            raise ValueError(f"num_pages {num_pages} must split evenly over {shards} shards")
-        self.num_pages, self.page_size, self.shards = num_pages, page_size, shards
-        self.per_shard = num_pages // shards
-        if self.per_shard < 2:
-            raise ValueError(f"{num_pages} pages over {shards} shards leaves no usable page (one is scratch)")
+    Every operation takes and returns numpy arrays, so a segment's allocations and releases cost a few array
+    operations whatever the number of rows.
+    """
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError(f"a pool of {num_pages} page(s) leaves no usable page (page 0 is scratch)")
+        self.num_pages, self.page_size = num_pages, page_size
         self.refcount = np.zeros(num_pages, np.int32)
         self.epoch = np.zeros(num_pages, np.int64)
-        # Stacks popped from the end: the lowest free page is handed out first (deterministic, and
-        # every process of a multi-process run makes the same choice).
-        self._free = [list(range((s + 1) * self.per_shard - 1, s * self.per_shard, -1)) for s in range(shards)]
+        # A stack popped from the end: the lowest free page is handed out first (deterministic, so every process
+        # driving the same shard makes the same choice).
+        self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
+        self._nfree = num_pages - 1
 
-    def scratch(self, shard: int = 0) -> int:
-        return shard * self.per_shard
+    @property
+    def scratch(self) -> int:
+        return 0
 
     def usable(self) -> int:
-        """Pages a shard can hand out (its scratch page excluded)."""
-        return self.per_shard - 1
+        """Pages the pool can hand out (the scratch page excluded)."""
+        return self.num_pages - 1
 
-    def num_free(self, shard: int = 0) -> int:
-        return len(self._free[shard])
+    def num_free(self) -> int:
+        return self._nfree
 
-    def shard_of(self, page: int) -> int:
-        return page // self.per_shard
-
-    def alloc(self, shard: int, count: int) -> list[int]:
-        """`count` fresh pages of `shard` (refcount 1); the caller checked `num_free` first."""
-        free = self._free[shard]
-        if count > len(free):
-            raise RuntimeError(f"page pool shard {shard}: asked for {count} pages, {len(free)} free")
-        pages = [free.pop() for _ in range(count)]
+    def alloc(self, count: int) -> np.ndarray:
+        """[count] fresh pages (refcount 1); the caller checked `num_free` first."""
+        if count > self._nfree:
+            raise RuntimeError(f"page pool: asked for {count} pages, {self._nfree} free")
+        pages = self._free[self._nfree - count: self._nfree][::-1].copy()
+        self._nfree -= count
         self.refcount[pages] = 1
         return pages
 
-    def share(self, pages: list[int]) -> None:
-        for p in pages:
-            if self.refcount[p] < 1:
-                raise RuntimeError(f"page {p} shared after it was freed")
-            self.refcount[p] += 1
+    def share(self, pages) -> None:
+        pages = np.asarray(pages, np.int64)
+        if pages.size and np.any(self.refcount[pages] < 1):
+            raise RuntimeError(f"pages {pages[self.refcount[pages] < 1].tolist()} shared after they were freed")
+        np.add.at(self.refcount, pages, 1)
 
-    def release(self, pages: list[int]) -> None:
-        """Drops one reference to each page; pages that reach zero go back to their shard's free list."""
-        for p in pages:
-            if self.refcount[p] < 1:
-                raise RuntimeError(f"page {p} released more often than it was taken")
-            self.refcount[p] -= 1
-            if self.refcount[p] == 0:
-                self.epoch[p] += 1
-                self._free[self.shard_of(p)].append(p)
+    def release(self, pages) -> None:
+        """Drops one reference to each page; pages that reach zero go back to the free list."""
+        pages = np.asarray(pages, np.int64)
+        if not pages.size:
+            return
+        np.subtract.at(self.refcount, pages, 1)
+        if np.any(self.refcount[pages] < 0):
+            raise RuntimeError("a page was released more often than it was taken")
+        freed = np.unique(pages[self.refcount[pages] == 0])
+        self.epoch[freed] += 1
+        # Highest first on the stack, so the lowest freed page is handed out next.
+        self._free[self._nfree: self._nfree + freed.size] = freed[::-1]
+        self._nfree += freed.size
 
     def in_use(self) -> int:
         return int((self.refcount > 0).sum())
@@ -96,7 +100,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsi
 class KvBudget:
     """How the pool was sized (logged, and returned in the engine's stats)."""
 
-    num_pages: int  # over all data-parallel shards
+    num_pages: int  # pages of one shard's pool (every shard has as many)
     page_bytes: int  # one page on one device (its share of the kv heads)
     source: str  # "kv_cache_memory_bytes", "gpu_memory_utilization" or "unbounded"
     device_limit: int = 0  # bytes the allocator may use on one device (0: unknown)
@@ -116,19 +120,24 @@ def device_memory(device: jax.Device | None = None) -> tuple[int, int, int] | No
     return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)), int(stats.get("peak_bytes_in_use", 0))
 
 
-def size_pool(*, page_bytes: int, shards: int, workspace: int, gpu_memory_utilization: float,
-              kv_cache_memory_bytes: int | None, unbounded_pages: int) -> KvBudget:
-    """Pages per the budget: an explicit byte size (per device), or the share of the device's memory that
-    total use may reach, less what is already held and the workspace; `unbounded_pages` (a pool for
-    every row at full length) where the device reports no memory statistics and no size is given."""
+def size_pool(*, page_bytes: int, workspace: int, gpu_memory_utilization: float, kv_cache_memory_bytes: int | None,
+              unbounded_pages: int, device: jax.Device | None = None) -> KvBudget:
+    """One shard's pages per the budget: an explicit byte size (per device), or the share of the device's memory
+    that total use may reach, less what is already held and the workspace; `unbounded_pages` (a pool for every
+    row at full length) where the device reports no memory statistics and no size is given."""
     if kv_cache_memory_bytes is not None:
-        per_shard = int(kv_cache_memory_bytes) // page_bytes
-        return KvBudget(per_shard * shards, page_bytes, "kv_cache_memory_bytes")
-    mem = device_memory()
+        return KvBudget(int(kv_cache_memory_bytes) // page_bytes, page_bytes, "kv_cache_memory_bytes")
+    mem = device_memory(device)
     if mem is None:
-        per_shard = -(-unbounded_pages // shards)
-        return KvBudget(per_shard * shards, page_bytes, "unbounded")
+        return KvBudget(int(unbounded_pages), page_bytes, "unbounded")
     limit, in_use, _ = mem
     free = gpu_memory_utilization * limit - in_use - workspace
-    per_shard = max(0, math.floor(free / page_bytes))
-    return KvBudget(per_shard * shards, page_bytes, "gpu_memory_utilization", limit, in_use, workspace)
+    return KvBudget(round_pages(max(0, math.floor(free / page_bytes))), page_bytes, "gpu_memory_utilization", limit,
+                    in_use, workspace)
+
+
+def round_pages(pages: int, bits: int = 8) -> int:
+    """`pages` rounded down to its leading `bits` bits (at most 1/2**(bits-1) less): a pool sized from free memory
+    keeps one shape, and so one set of programs, when what is in use moves by a little between runs."""
+    step = 1 << max(0, pages.bit_length() - bits)
+    return pages // step * step

@@ -243,3 +243,33 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
     if spec.record_routing:
         out["routing"] = st["routing"]
     return pool, out
+
+
+# ---- packed inputs: one host-to-device copy a call ---------------------------------------------------------
+# A decode segment's inputs, [S, W + DECODE_COLS] int32: each slot's block table, then its position, pending token,
+# tokens so far, budget, active flag and stream; the segment's length, its stop rule and the request's PRNG key
+# data (two uint32 words, bit-cast) repeat down the last four columns.
+DECODE_COLS = 10
+
+
+def decode_packed(eparams, pool, packed, *, spec: DecodeSpec, max_seg: int):
+    """`decode_segment` on the packed inputs of one shard (see DECODE_COLS)."""
+    w = packed.shape[1] - DECODE_COLS
+    col = lambda i: packed[:, w + i]
+    key = jax.random.wrap_key_data(jax.lax.bitcast_convert_type(packed[0, w + 8: w + 10], jnp.uint32))
+    return decode_segment(eparams, pool, packed[:, :w], col(0), col(1), col(2), col(3), col(4) > 0, col(5),
+                          jnp.zeros_like(col(0)), key, packed[0, w + 6], packed[0, w + 7], spec=spec, max_seg=max_seg)
+
+
+def prefill_packed(eparams, pool, packed, *, spec: DecodeSpec, length: int):
+    """`prefill_chunk` on packed inputs [B, length + Wc + 2]: the chunk's ids, the rows' block tables over the
+    positions the chunk reads, its start and its real length."""
+    wc = packed.shape[1] - length - 2
+    ids, tables = packed[:, :length], packed[:, length: length + wc]
+    start, real = packed[:, length + wc], packed[:, length + wc + 1]
+    return prefill_chunk(eparams, pool, ids, tables, start, real, jnp.zeros_like(start), spec=spec)
+
+
+def copy_packed(pool, packed):
+    """`copy_pages` of one shard: packed [2, C] (source pages, destination pages)."""
+    return copy_pages(pool, packed[0:1], packed[1:2])

@@ -18,6 +18,13 @@ loaded: about 1.3 s each, so 27 s against a 3.8 s steady rollout.
   without tracing or lowering, and loads all of an engine's programs in the background from the moment
   the engine is built. Any change to the code or config changes the key; a stale file is never read, and
   an unreadable one is rebuilt.
+
+* **Once for every shard.** Each data-parallel shard of the engine runs the same programs on its own devices.
+  A program is compiled (or loaded) once, for the first shard's devices; every other shard gets the same
+  executable loaded onto its devices in milliseconds (`for_group`: the serialized executable, its devices
+  mapped one to one), instead of a trace, a lowering and a compile (or a cache lookup) per shard. Not on the CPU
+  backend, where a moved executable can miss its kernels at run time ("Function ... not found"): there each
+  shard compiles its own.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import io
 import logging
 import os
 import pickle
@@ -33,6 +41,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +49,7 @@ SUBDIR = "jaxrl_engine"
 
 # Every program this process holds, by key: engines of one config share them (a key names its config).
 _HELD: dict[str, object] = {}
+_BUILDING: dict[str, concurrent.futures.Future] = {}  # programs a thread is building now
 _HELD_LOCK = threading.Lock()
 
 
@@ -119,7 +129,7 @@ class Programs:
         self._pending: dict[str, concurrent.futures.Future] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = _HELD_LOCK
-        self.stats = dict(compiled=0, loaded=0, compile_s=0.0, load_s=0.0)
+        self.stats = dict(compiled=0, loaded=0, moved=0, compile_s=0.0, load_s=0.0, move_s=0.0)
 
     def key(self, name: str, args: tuple, static: dict) -> str:
         leaves, tree = jax.tree.flatten(args)
@@ -156,27 +166,70 @@ class Programs:
 
     def get(self, name: str, jitted, owner, args: tuple, static: dict, keep: bool = True):
         """The compiled `jitted(owner, *args, **static)` (a jax.jit method whose arg 0 is static), built or
-        loaded on first use; call it with `args` alone. `keep=False`: never on disk (a program that compiles
-        in milliseconds; XLA:CPU fails to run an argument-free one loaded back)."""
+        loaded on first use; call it with `args` alone (or arrays of the same shapes and shardings). `args` may
+        be `jax.ShapeDtypeStruct`s with shardings. `keep=False`: never on disk (a program that compiles in
+        milliseconds; XLA:CPU fails to run an argument-free one loaded back)."""
         key = self.key(name, args, static)
         with self._lock:
             hit = _HELD.get(key)
             pending = self._pending.get(key)
+            building = _BUILDING.get(key)
+            if hit is None and pending is None and building is None:  # this thread builds it; others wait
+                _BUILDING[key] = mine = concurrent.futures.Future()
         if hit is not None:
             return hit
-        compiled = pending.result() if pending is not None else self._load(key) if keep else None
-        if compiled is None:
-            t0 = time.perf_counter()
-            compiled = jitted.lower(owner, *args, **static).compile()
-            with self._lock:
-                self.stats["compiled"] += 1
-                self.stats["compile_s"] += time.perf_counter() - t0
-            if keep:
-                self._save(key, compiled)
+        if building is not None:
+            return building.result()
+        try:
+            compiled = pending.result() if pending is not None else self._load(key) if keep else None
+            if compiled is None:
+                t0 = time.perf_counter()
+                compiled = jitted.lower(owner, *args, **static).compile()
+                with self._lock:
+                    self.stats["compiled"] += 1
+                    self.stats["compile_s"] += time.perf_counter() - t0
+                if keep:
+                    self._save(key, compiled)
+        except BaseException as e:
+            if pending is None:
+                with self._lock:
+                    _BUILDING.pop(key, None)
+                mine.set_exception(e)
+            raise
         with self._lock:
             _HELD[key] = compiled
             self._pending.pop(key, None)
+            if pending is None:
+                _BUILDING.pop(key, None)
+        if pending is None:
+            mine.set_result(compiled)
         return compiled
+
+    def for_group(self, key: str, compiled, base_devices, devices):
+        """The program `key` (`compiled`, built for `base_devices` in its mesh's order) loaded onto `devices` (as
+        many, in the same order): the same executable running on another shard's devices. None where that
+        cannot be done (the caller compiles for those devices instead)."""
+        if list(base_devices) == list(devices):
+            return compiled
+        if devices[0].platform == "cpu":  # XLA:CPU loses kernels of a moved executable ("Function ... not found")
+            return None
+        key = f"{key}@{[d.id for d in devices]}"
+        with self._lock:
+            hit = _HELD.get(key)
+        if hit is not None:
+            return hit
+        t0 = time.perf_counter()
+        try:
+            moved = _load_on(compiled, list(base_devices), list(devices))
+        except Exception as e:  # noqa: BLE001 (a backend that cannot move an executable: compile per shard)
+            log.warning("engine program could not be loaded onto %s (%s: %s); compiling it there", devices,
+                        type(e).__name__, e)
+            return None
+        with self._lock:
+            _HELD[key] = moved
+            self.stats["moved"] += 1
+            self.stats["move_s"] += time.perf_counter() - t0
+        return moved
 
     def warm(self, items: list[tuple[str, object, object, tuple, dict]], context=contextlib.nullcontext) -> None:
         """Builds (or loads) every (name, jitted, owner, args, static) not yet held, on a thread pool.
@@ -237,3 +290,39 @@ class Programs:
             os.replace(tmp, path)  # readers never see a partial file
         except Exception as e:  # noqa: BLE001 (a full or read-only disk costs the next process a compile)
             log.warning("engine program %s not saved (%s: %s)", path, type(e).__name__, e)
+
+
+# ---- one executable on another shard's devices -------------------------------------------------------------
+
+
+def _load_on(compiled, base_devices: list, devices: list):
+    """A new `jax.stages.Compiled` running `compiled`'s executable on `devices` instead of `base_devices`.
+
+    jax's own serialization (`jax.experimental.serialize_executable`) writes the executable, its shardings and
+    devices (devices by id); reading it back here maps each base device to its counterpart and deserializes the
+    executable with a device assignment over the new devices, as jax's persistent cache does for a cached
+    executable on other devices. Nothing is traced, lowered or compiled.
+    """
+    from jax._src import compiler  # the compile options jax builds for a device assignment
+    from jax._src.lib import xla_client as xc
+    from jax.experimental import serialize_executable
+
+    blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+    mapping = {d.id: t for d, t in zip(base_devices, devices)}
+    backend = devices[0].client
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=len(devices),
+                                           device_assignment=np.asarray([d.id for d in devices]).reshape(1, -1),
+                                           backend=backend)
+
+    class Remap(pickle.Unpickler):
+        def persistent_load(self, pid):
+            if pid[0] == "exec":
+                return backend.deserialize_executable(pid[1], xc.DeviceList(tuple(devices)), options)
+            if pid[0] == "device":
+                return mapping[pid[1]]
+            if pid[0] == "client":
+                return backend
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid[0]!r}")
+
+    unloaded, args_info_flat, no_kwargs = Remap(io.BytesIO(blob)).load()
+    return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree, no_kwargs=no_kwargs)

@@ -1,37 +1,56 @@
-"""The paged sampler's scheduler: which rows decode, which wait, and which pages each one holds.
+"""One shard's scheduler: which rows decode, which wait, and which pages each one holds.
 
-Every response row of a `generate` call (prompts x n) starts in the waiting queue. Between decode
-segments the engine asks for a `Plan`:
+Each data-parallel shard of the paged engine runs its own scheduler over its own `PagePool`, as vLLM runs
+one engine core per data-parallel rank. Rows reach it in prompt groups from a `RowSource` (the engine's
+dealer, rollout/dealer.py). Between decode segments the shard asks for a `Plan`:
 
-1. **Admission** (continuous batching): waiting rows take free decode slots, up to `max_num_seqs`,
-   while their shard has pages for their context and a small watermark stays free. The first sample
-   of a prompt prefills it; its siblings share the prompt's pages (reference-counted) and prefill
-   nothing. A preempted row shares the prompt's full pages when a sibling still holds them.
-2. **Growth**: every running row gets the pages its next `seg` tokens write, before the segment
-   runs, so nothing is allocated on the device. A row about to write into a page that others share
-   gets a private copy first (copy on write). When the pages do not cover a full segment, the
-   segment is shortened; when they do not cover one step, the newest rows are preempted (vLLM's
-   recompute mode: their pages are freed and they wait again at the front of the queue, keeping the
-   tokens they have; on readmission their prompt and tokens are prefilled again).
-3. **Slots**: running rows are packed into a bucket of slots per shard (at least 32, then 64, then
-   four steps per doubling: 80, 96, 112, 128, 160, ...), so a segment's program comes from a fixed
-   ladder of shapes, at most 25% of the slots are padding, and a batch whose rows finished runs smaller.
+1. **Admission** (continuous batching): waiting rows take free decode slots, up to `slot_cap`
+   (`rollout.max_num_seqs`), while the pool has pages for their context and a small watermark stays free.
+   The first sample of a prompt prefills it; its siblings share the prompt's pages (reference-counted) and
+   prefill nothing. A preempted row shares the prompt's full pages when a sibling still holds them.
+2. **Growth**: every running row gets the pages its next `seg` tokens write, before the segment runs, so
+   nothing is allocated on the device. A row about to write into a page that others share gets a private
+   copy first (copy on write). When the pages do not cover a full segment, the segment is shortened; when
+   they do not cover one step, the newest rows are preempted (vLLM's recompute mode: their pages are freed
+   and they wait again at the front of the queue, keeping the tokens they have; on readmission their prompt
+   and tokens are prefilled again).
+3. **Slots**: running rows sit in slots 0..n-1 in admission order, and a segment runs a bucket of slots
+   (at least 32, then 64, then four steps per doubling: 80, 96, 112, 128, 160, ...), so its program comes
+   from a fixed ladder of shapes, at most 25% of the slots are padding, and a batch whose rows finished
+   runs smaller.
 
-A row's positions: its context is prompt + sampled tokens. All but the last context token are in
-its pages; the last one ("pending") is fed by the next decode step, which writes its K/V at
-position `pos` and samples token `t` (= tokens sampled so far).
+The running rows' state lives in per-slot numpy arrays (context length, tokens so far, budget, pending
+token, stream, page count) and one block table [slots, W] that growth appends to. Growth, a segment's
+inputs and its commit are array operations: no Python loop over rows on the hot path. Python touches a
+row only when it is admitted, preempted or finishes.
 
-Pure host code, deterministic: every process of a multi-process run makes the same plan.
+A row's positions: its context is prompt + sampled tokens. All but the last context token are in its
+pages; the last one ("pending") is fed by the next decode step, which writes its K/V at position `ctx`
+and samples token `t` (= tokens sampled so far).
+
+Pure host code, deterministic given the rows it is dealt: every process that drives a shard makes the
+same plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import Protocol
 
 import numpy as np
 
 from jaxrl_llm.rollout.page_pool import PagePool, pages_for
+
+
+class RowStore:
+    """The sampled tokens of every row of a request: [R, T] tokens and log-probs and [R] lengths, written in
+    place by the shards (each row by the one shard that runs it)."""
+
+    def __init__(self, rows: int, width: int, pad_id: int):
+        self.tokens = np.full((rows, max(1, width)), pad_id, np.int32)
+        self.logps = np.zeros((rows, max(1, width)), np.float32)
+        self.lengths = np.zeros(rows, np.int32)
 
 
 @dataclasses.dataclass(eq=False)
@@ -40,30 +59,70 @@ class Row:
 
     rid: int  # index in the request (prompt-major: response j of prompt i is i * n + j)
     prompt: int  # which prompt it answers
-    ids: list[int]  # the prompt's token ids
+    ids: np.ndarray  # [P] int32, the prompt's token ids
     max_tokens: int
+    store: RowStore
     stream: int = 0  # seeds the row's random draws (the engine's `seeds`; its rid by default)
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logps: list[float] = dataclasses.field(default_factory=list)
     finished: bool = False
-    shard: int = -1
-    pages: list[int] = dataclasses.field(default_factory=list)
-    admitted: int = -1  # admission order (preemption takes the newest)
     preemptions: int = 0
     # Routing replay R3: [positions, L_moe, k] experts of each context position the engine ran (-1: not yet)
     routes: np.ndarray | None = None
 
     @property
+    def ntok(self) -> int:
+        return int(self.store.lengths[self.rid])
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.store.tokens[self.rid, : self.ntok]
+
+    @property
     def context_len(self) -> int:
         """Tokens whose K/V the row needs before its next step: everything but the pending token."""
-        return len(self.ids) + len(self.tokens) - 1
+        return len(self.ids) + self.ntok - 1
 
     @property
     def pending(self) -> int:
-        return self.tokens[-1] if self.tokens else self.ids[-1]
+        return int(self.store.tokens[self.rid, self.ntok - 1]) if self.ntok else int(self.ids[-1])
 
-    def context(self) -> list[int]:
-        return self.ids + self.tokens
+    def context(self) -> np.ndarray:
+        return np.concatenate([self.ids, self.tokens]).astype(np.int32)
+
+
+class RowSource(Protocol):
+    """Where a shard's scheduler takes its rows from (the engine's dealer)."""
+
+    def take(self, fits) -> list[Row] | None:
+        """The next prompt group for this shard if `fits(first row)`, else None."""
+
+    def pending(self) -> bool:
+        """Whether `take` may still return rows."""
+
+    def full(self) -> None:
+        """Says that the shard's slots are all taken (its next group waits: another shard may take it)."""
+
+
+class ListSource:
+    """A fixed list of rows in prompt groups, for one shard (tests, and a single-shard engine)."""
+
+    def __init__(self, rows: list[Row]):
+        self.groups: deque[list[Row]] = deque()
+        for r in rows:
+            if self.groups and self.groups[-1][0].prompt == r.prompt:
+                self.groups[-1].append(r)
+            else:
+                self.groups.append([r])
+
+    def take(self, fits) -> list[Row] | None:
+        if self.groups and fits(self.groups[0][0]):
+            return self.groups.popleft()
+        return None
+
+    def pending(self) -> bool:
+        return bool(self.groups)
+
+    def full(self) -> None:
+        pass
 
 
 @dataclasses.dataclass
@@ -77,18 +136,19 @@ class PrefillTask:
     row: Row
     start: int
     end: int
-    pages: list[int]
+    pages: np.ndarray
 
 
 @dataclasses.dataclass
 class Plan:
-    """What the engine runs before and during the next decode segment."""
+    """What the shard runs before and during the next decode segment."""
 
     prefills: list[PrefillTask]  # in order: a later task may read pages an earlier one writes
-    copies: list[tuple[int, int]]  # (source page, destination page), before the segment
-    slots: list[list[Row | None]]  # per shard: the rows in slot order (None: an empty slot)
+    copies: tuple[np.ndarray, np.ndarray]  # (source pages, destination pages), before the segment
+    live: int  # running rows, in slots 0..live-1
+    slots: int  # the segment's slot bucket (>= live)
     seg: int  # decode steps this segment may run
-    stop_free: int  # end the segment early once this many slots (of all shards) are free
+    stop_free: int  # end the segment early once this many of its slots are free
     preempted: int  # rows preempted while planning
 
 
@@ -96,38 +156,63 @@ class Plan:
 class _Prefix:
     """The pages holding a prompt's context (all but its last token), as its first sample wrote them."""
 
-    shard: int
-    pages: list[int]
+    pages: np.ndarray
     epochs: np.ndarray
     tokens: int
 
 
-class Scheduler:
-    """Plans segments over a `PagePool` for the rows of one request."""
+# The smallest slot bucket: a decode step over 32 slots costs about what one over 1 does (the weights'
+# reads dominate, and empty slots read no K/V), and every bucket below it would be one more program to compile.
+MIN_SLOTS = 32
 
-    def __init__(self, pool: PagePool, rows: list[Row], *, max_num_seqs: int, max_seg: int,
+
+class Scheduler:
+    """Plans one shard's segments over its `PagePool`.
+
+    Args:
+      pool: the shard's pages.
+      source: where rows come from, a prompt group at a time.
+      slot_cap: rows decoded together at most (`rollout.max_num_seqs`, per shard as in vLLM).
+      max_seg: decode steps a segment runs at most.
+      width: block-table width W (pages a row can hold: the engine's max_model_len).
+      watermark: the share of the pool admission keeps free while rows run.
+      share_prompts: the n samples of a prompt share its prompt pages.
+    """
+
+    def __init__(self, pool: PagePool, source: RowSource, *, slot_cap: int, max_seg: int, width: int,
                  watermark: float = 0.01, share_prompts: bool = True):
         self.pool, self.ps = pool, pool.page_size
-        self.slot_cap = max(1, max_num_seqs // pool.shards)  # slots a shard decodes at most
-        self.max_seg = max_seg
+        self.source = source
+        self.cap, self.max_seg, self.width = max(1, slot_cap), max_seg, width
         self.watermark = max(1, int(watermark * pool.usable()))
         self.share_prompts = share_prompts
-        self.waiting: deque[Row] = deque(rows)
-        self.running: list[list[Row]] = [[] for _ in range(pool.shards)]
+        self.waiting: deque[Row] = deque()
         self.prefixes: dict[int, _Prefix] = {}
-        self._admitted = 0
+        cap = self.cap
+        self.rows = np.empty(cap, object)  # the Row in each slot
+        self.gid = np.zeros(cap, np.int64)  # its index in the request
+        self.ctx = np.zeros(cap, np.int64)  # positions whose K/V it holds
+        self.ntok = np.zeros(cap, np.int64)  # tokens sampled
+        self.maxtok = np.zeros(cap, np.int64)
+        self.last = np.zeros(cap, np.int64)  # the pending token
+        self.stream = np.zeros(cap, np.int64)
+        self.npages = np.zeros(cap, np.int64)
+        self.table = np.zeros((cap, width), np.int32)  # pages; 0 (scratch) past npages
+        self.n = 0
         self.stats = dict(preemptions=0, admitted=0, prefill_tokens=0, shared_pages=0, copies=0)
 
     # ---- queries -----------------------------------------------------------------------------
     def done(self) -> bool:
-        return not self.waiting and not any(self.running)
+        return self.n == 0 and not self.waiting and not self.source.pending()
+
+    def more_waiting(self) -> bool:
+        return bool(self.waiting) or self.source.pending()
 
     def _valid_prefix(self, row: Row) -> _Prefix | None:
         pre = self.prefixes.get(row.prompt)
         if pre is None or not self.share_prompts:
             return None
-        p = np.asarray(pre.pages, np.int64)
-        if np.all(self.pool.refcount[p] > 0) and np.array_equal(self.pool.epoch[p], pre.epochs):
+        if np.all(self.pool.refcount[pre.pages] > 0) and np.array_equal(self.pool.epoch[pre.pages], pre.epochs):
             return pre
         del self.prefixes[row.prompt]
         return None
@@ -136,167 +221,194 @@ class Scheduler:
     def plan(self) -> Plan:
         """Admits, grows and (if needed) preempts; returns what the next segment runs."""
         prefills, resumed = [], []
-        preempted = 0
         self._admit(prefills, resumed)
         prefills += resumed  # a resumed row may read prompt pages a fresh row prefills this round
-        copies, seg = [], self.max_seg
-        for shard in range(self.pool.shards):
-            while True:
-                rows = self.running[shard]
-                seg_s = self._fit(rows, shard)
-                if seg_s > 0 or not rows:
-                    break
-                victim = max(rows, key=lambda r: r.admitted)
-                if len(rows) == 1:
-                    raise RuntimeError(f"row {victim.rid} cannot take one more step with the whole pool; the "
-                                       "engine's up-front check should have refused this request")
-                self._preempt(victim)
-                prefills = [p for p in prefills if p.row is not victim]
-                preempted += 1
-            if rows:
-                seg = min(seg, seg_s)
-        for shard in range(self.pool.shards):
-            copies += self._grow(self.running[shard], seg)
-        slots = []
-        for shard in range(self.pool.shards):
-            rows = sorted(self.running[shard], key=lambda r: r.admitted)
-            width = min(self.slot_cap, max(MIN_SLOTS, slot_bucket(len(rows)))) if rows else 1
-            slots.append(rows + [None] * (width - len(rows)))
-        width = max(len(s) for s in slots)
-        slots = [s + [None] * (width - len(s)) for s in slots]
-        total = width * len(slots)
-        empty = sum(r is None for s in slots for r in s)
-        if self.waiting:  # refill as soon as a few slots free up (or pages come back)
-            stop_free = empty + max(1, total // 16)
+        preempted = 0
+        while True:
+            seg = self._fit()
+            if seg > 0 or self.n == 0:
+                break
+            if self.n == 1:
+                raise RuntimeError(f"row {self.rows[0].rid} cannot take one more step with the whole pool; the "
+                                   "engine's up-front check should have refused this request")
+            victim = self._preempt_newest()
+            prefills = [p for p in prefills if p.row is not victim]
+            preempted += 1
+        copies = self._grow(seg) if self.n else (np.zeros(0, np.int32), np.zeros(0, np.int32))
+        n = self.n
+        slots = min(self.cap, max(MIN_SLOTS, slot_bucket(n))) if n else 1
+        if self.more_waiting():  # refill as soon as a few slots free up (or pages come back)
+            stop_free = slots - n + max(1, slots // 16)
         else:  # no one waits: stop once the live rows fit the next smaller bucket
-            stop_free = total - len(slots) * slot_bucket_below(width) if width > MIN_SLOTS else total
-            # (shards holding fewer rows than the widest start with more free slots: never stop before a step)
-            stop_free = max(stop_free, empty + 1)
+            stop_free = slots - slot_bucket_below(slots) if slots > MIN_SLOTS else slots
+            stop_free = max(stop_free, slots - n + 1)
         self.stats["preemptions"] += preempted
-        self.stats["copies"] += len(copies)
-        return Plan(prefills, copies, slots, seg, stop_free, preempted)
+        self.stats["copies"] += len(copies[0])
+        return Plan(prefills, copies, n, slots, seg, stop_free, preempted)
 
     def _admit(self, fresh: list[PrefillTask], resumed: list[PrefillTask]) -> None:
-        pool = self.pool
-        while self.waiting:
-            row = self.waiting[0]
-            pre = self._valid_prefix(row)
-            shard = self._pick_shard(pre)
-            if shard is None:
+        pool, ps = self.pool, self.ps
+        while True:
+            if self.n >= self.cap:
+                self.source.full()
                 return
-            ctx = row.context_len
-            shared: list[int] = []
-            if pre is not None and pre.shard == shard:
-                # A fresh sibling shares every prompt page (the partial last one is copied before its first
-                # write); a resumed one only the full pages, which nothing writes into again.
-                n_shared = len(pre.pages) if not row.tokens else min(pre.tokens, ctx) // self.ps
-                shared = pre.pages[:n_shared]
-            covered = min(len(shared) * self.ps, ctx)
-            new = pages_for(ctx, self.ps) - len(shared)
-            reserve = self.watermark if self.running[shard] else 0
-            # The page its first step writes: a new one when the context ends on a page boundary, a copy
-            # when it writes into a shared partial prompt page, else one the row already holds.
-            first = int(ctx % self.ps == 0 or len(shared) > ctx // self.ps)
-            if pool.num_free(shard) - new < reserve + first:
+            if not self.waiting:
+                group = self.source.take(self._fits)
+                if not group:
+                    return
+                self.waiting.extend(group)
+            row = self.waiting[0]
+            shared, covered, new = self._admission_pages(row)
+            if not self._fits(row):
                 return
             self.waiting.popleft()
+            ctx = row.context_len
             pool.share(shared)
-            row.pages = shared + pool.alloc(shard, new)
-            row.shard, row.admitted = shard, self._admitted
-            self._admitted += 1
-            self.running[shard].append(row)
+            pages = np.concatenate([shared, pool.alloc(new)]).astype(np.int32)
+            s = self.n
+            self.n += 1
+            self.rows[s], self.gid[s] = row, row.rid
+            self.ctx[s], self.ntok[s], self.maxtok[s] = ctx, row.ntok, row.max_tokens
+            self.last[s], self.stream[s], self.npages[s] = row.pending, row.stream, len(pages)
+            self.table[s] = 0
+            self.table[s, : len(pages)] = pages
             self.stats["admitted"] += 1
             self.stats["shared_pages"] += len(shared)
             if covered < ctx:
                 self.stats["prefill_tokens"] += ctx - covered
-                (resumed if row.tokens else fresh).append(PrefillTask(row, covered, ctx, list(row.pages)))
-            if not row.tokens and pre is None and self.share_prompts:
-                n = pages_for(ctx, self.ps)
-                self.prefixes[row.prompt] = _Prefix(shard, row.pages[:n], pool.epoch[row.pages[:n]].copy(), ctx)
+                (resumed if row.ntok else fresh).append(PrefillTask(row, covered, ctx, pages.copy()))
+            if not row.ntok and len(shared) == 0 and self.share_prompts and row.prompt not in self.prefixes:
+                k = pages_for(ctx, ps)
+                self.prefixes[row.prompt] = _Prefix(pages[:k].copy(), pool.epoch[pages[:k]].copy(), ctx)
 
-    def _pick_shard(self, pre: _Prefix | None) -> int | None:
-        """The shard a waiting row goes to: its prompt's pages' shard when it has a free slot, else the
-        shard with a free slot and the most free pages; None when every shard's slots are taken."""
-        open_ = [s for s in range(self.pool.shards) if len(self.running[s]) < self.slot_cap]
-        if not open_:
-            return None
-        if pre is not None and pre.shard in open_:
-            return pre.shard
-        return max(open_, key=lambda s: (self.pool.num_free(s), -s))
+    def _admission_pages(self, row: Row) -> tuple[np.ndarray, int, int]:
+        """(prompt pages it shares, context tokens they cover, new pages it needs) if admitted now."""
+        pre = self._valid_prefix(row)
+        ctx = row.context_len
+        shared = np.zeros(0, np.int32)
+        if pre is not None:
+            # A fresh sibling shares every prompt page (the partial last one is copied before its first write);
+            # a resumed one only the full pages, which nothing writes into again.
+            k = len(pre.pages) if not row.ntok else min(pre.tokens, ctx) // self.ps
+            shared = pre.pages[:k]
+        covered = min(len(shared) * self.ps, ctx)
+        return shared, covered, pages_for(ctx, self.ps) - len(shared)
 
-    def _needs(self, rows: list[Row], seg: int) -> np.ndarray:
-        """[seg] new pages the rows of one shard need to run 1..seg steps (copies on write included)."""
-        if not rows:
-            return np.zeros(seg, np.int64)
-        pos = np.asarray([r.context_len for r in rows], np.int64)
-        have = np.asarray([len(r.pages) for r in rows], np.int64)
-        left = np.asarray([r.max_tokens - len(r.tokens) for r in rows], np.int64)
-        cow = np.asarray([_first_write_shared(r, self.pool) for r in rows], np.int64)
-        k = np.minimum(np.arange(1, seg + 1)[:, None], left[None, :])  # [seg, R] steps each row runs
-        need = np.maximum(0, (pos[None, :] + k - 1) // self.ps + 1 - have[None, :]) + cow[None, :]
-        return need.sum(axis=1)
+    def _fits(self, row: Row) -> bool:
+        """Whether the pool has the row's pages now (and keeps the watermark while other rows run)."""
+        shared, _, new = self._admission_pages(row)
+        ctx = row.context_len
+        reserve = self.watermark if self.n else 0
+        # The page its first step writes: a new one when the context ends on a page boundary, a copy when it
+        # writes into a shared partial prompt page, else one the row already holds.
+        first = int(ctx % self.ps == 0 or len(shared) > ctx // self.ps)
+        return self.pool.num_free() - new >= reserve + first
 
-    def _fit(self, rows: list[Row], shard: int) -> int:
-        """The longest segment (<= max_seg) whose pages fit the shard's free pages; 0 if not even one step."""
-        need = self._needs(rows, self.max_seg)
-        fits = np.nonzero(need <= self.pool.num_free(shard))[0]
+    def _cow(self) -> np.ndarray:
+        """[n] bool: the live rows whose next write lands in a page others hold, and which copy it first. Of the
+        rows writing into one shared page, all copy but the last when every holder of the page writes into it."""
+        n, ps = self.n, self.ps
+        idx = self.ctx[:n] // ps
+        has = idx < self.npages[:n]
+        page = self.table[np.arange(n), np.minimum(idx, self.width - 1)]
+        cow = has & (self.pool.refcount[page] > 1)
+        w = np.flatnonzero(cow)
+        if w.size:
+            uniq, inv, counts = np.unique(page[w], return_inverse=True, return_counts=True)
+            last = np.full(uniq.size, -1, np.int64)
+            np.maximum.at(last, inv, w)
+            keeps = (w == last[inv]) & (counts == self.pool.refcount[uniq])[inv]
+            cow[w[keeps]] = False
+        return cow
+
+    def _needs(self, seg: int, cow: np.ndarray) -> np.ndarray:
+        """[seg] new pages the live rows need to run 1..seg steps (copies on write included)."""
+        n = self.n
+        left = self.maxtok[:n] - self.ntok[:n]
+        k = np.minimum(np.arange(1, seg + 1)[:, None], left[None, :])  # [seg, n] steps each row runs
+        need = np.maximum(0, (self.ctx[:n][None, :] + k - 1) // self.ps + 1 - self.npages[:n][None, :])
+        return need.sum(axis=1) + int(cow.sum())
+
+    def _fit(self) -> int:
+        """The longest segment (<= max_seg) whose pages fit the free pages; 0 if not even one step."""
+        if not self.n:
+            return self.max_seg
+        need = self._needs(self.max_seg, self._cow())
+        fits = np.nonzero(need <= self.pool.num_free())[0]
         return int(fits[-1]) + 1 if fits.size else 0
 
-    def _grow(self, rows: list[Row], seg: int) -> list[tuple[int, int]]:
-        copies = []
-        for r in rows:
-            if not r.pages:
-                continue
-            pos = r.context_len
-            if _first_write_shared(r, self.pool):
-                i = pos // self.ps
-                (dst,) = self.pool.alloc(r.shard, 1)
-                copies.append((r.pages[i], dst))
-                self.pool.release([r.pages[i]])
-                r.pages[i] = dst
-            k = min(seg, r.max_tokens - len(r.tokens))
-            extra = (pos + k - 1) // self.ps + 1 - len(r.pages)
-            if extra > 0:
-                r.pages += self.pool.alloc(r.shard, extra)
-        for r in rows:  # a row admitted with an empty context (a one-token prompt) gets its first page here
-            if not r.pages:
-                r.pages = self.pool.alloc(r.shard, pages_for(min(seg, r.max_tokens), self.ps))
-        return copies
+    def _grow(self, seg: int) -> tuple[np.ndarray, np.ndarray]:
+        """Gives every live row the pages its next `seg` steps write; returns the planned copies on write."""
+        n, ps, pool = self.n, self.ps, self.pool
+        cow = np.flatnonzero(self._cow())
+        src = dst = np.zeros(0, np.int32)
+        if cow.size:
+            col = self.ctx[cow] // ps
+            src = self.table[cow, col].copy()
+            dst = pool.alloc(cow.size)
+            pool.release(src)
+            self.table[cow, col] = dst
+        left = self.maxtok[:n] - self.ntok[:n]
+        k = np.minimum(seg, left)
+        extra = np.maximum(0, (self.ctx[:n] + k - 1) // ps + 1 - self.npages[:n])
+        total = int(extra.sum())
+        if total:
+            pages = pool.alloc(total)
+            rows = np.repeat(np.arange(n), extra)
+            start = np.repeat(np.cumsum(extra) - extra, extra)
+            self.table[rows, self.npages[rows] + np.arange(total) - start] = pages
+            self.npages[:n] += extra
+        return src, dst
 
-    def _preempt(self, row: Row) -> None:
-        self.running[row.shard].remove(row)
-        self.pool.release(row.pages)
-        row.pages, row.shard, row.admitted = [], -1, -1
+    def _preempt_newest(self) -> Row:
+        s = self.n - 1  # slots are in admission order
+        row = self.rows[s]
+        self.pool.release(self.table[s, : self.npages[s]])
+        self._clear(np.asarray([s]))
+        self.n -= 1
         row.preemptions += 1
         self.waiting.appendleft(row)
+        return row
+
+    def _clear(self, slots: np.ndarray) -> None:
+        self.rows[slots] = None
+        self.table[slots] = 0
+        self.npages[slots] = 0
 
     # ---- results -----------------------------------------------------------------------------
-    def commit(self, rows: list[Row], tokens: np.ndarray, logps: np.ndarray, counts: np.ndarray,
-               finished: np.ndarray) -> list[Row]:
-        """Appends each running row's new tokens; frees the pages of rows that finished (returned)."""
-        out = []
-        for i, r in enumerate(rows):
-            c = int(counts[i])
-            r.tokens += tokens[i, :c].tolist()
-            r.logps += logps[i, :c].tolist()
-            if finished[i]:
-                r.finished = True
-                self.running[r.shard].remove(r)
-                self.pool.release(r.pages)
-                r.pages = []
-                out.append(r)
-        return out
-
-
-# The smallest slot bucket: a decode step over 32 slots costs about what one over 1 does (the weights'
-# reads dominate, and empty slots read no K/V), and every bucket below it would be one more program to compile.
-MIN_SLOTS = 32
-
-
-def _first_write_shared(row: Row, pool: PagePool) -> bool:
-    """Whether the page the row's next step writes into is held by another row too."""
-    i = row.context_len // pool.page_size
-    return i < len(row.pages) and pool.refcount[row.pages[i]] > 1
+    def commit(self, tokens: np.ndarray, logps: np.ndarray, counts: np.ndarray, active: np.ndarray) -> list[Row]:
+        """Appends each live row's new tokens ([slots, M] arrays from the segment; `active` false for rows that
+        stopped), frees the pages of rows that finished and packs the rest into slots 0..; returns the finished."""
+        n = self.n
+        c = counts[:n].astype(np.int64)
+        total = int(c.sum())
+        store = self.rows[0].store if n else None
+        if total:
+            slot = np.repeat(np.arange(n), c)
+            off = np.arange(total) - np.repeat(np.cumsum(c) - c, c)
+            store.tokens[self.gid[slot], self.ntok[slot] + off] = tokens[slot, off]
+            store.logps[self.gid[slot], self.ntok[slot] + off] = logps[slot, off]
+            ran = np.flatnonzero(c)
+            self.last[ran] = tokens[ran, c[ran] - 1]
+            self.ntok[:n] += c
+            self.ctx[:n] += c
+            store.lengths[self.gid[:n]] = self.ntok[:n]
+        fin = np.flatnonzero(~active[:n].astype(bool))
+        if not fin.size:
+            return []
+        held = np.arange(self.width)[None, :] < self.npages[fin][:, None]
+        self.pool.release(self.table[fin][held])
+        done = list(self.rows[fin])
+        for r in done:
+            r.finished = True
+        keep = np.flatnonzero(active[:n].astype(bool))
+        m = keep.size
+        for arr in (self.rows, self.gid, self.ctx, self.ntok, self.maxtok, self.last, self.stream, self.npages,
+                    self.table):
+            arr[:m] = arr[keep]
+        self._clear(np.arange(m, n))
+        self.n = m
+        return done
 
 
 def _next_pow2(x: int) -> int:
@@ -317,3 +429,15 @@ def slot_bucket_below(width: int) -> int:
         return width // 2
     low = 1 << (width.bit_length() - 1)
     return width - (low // 8 if width == low else low // 4)
+
+
+def slot_ladder(cap: int) -> list[int]:
+    """Every slot bucket a shard of `cap` slots can run (the decode programs it may need)."""
+    out, x = [], 1
+    while True:
+        b = min(cap, max(MIN_SLOTS, slot_bucket(x)))
+        if not out or b != out[-1]:
+            out.append(b)
+        if b >= cap:
+            return out
+        x = b + 1

@@ -113,8 +113,13 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     free_cache_engine: bool = True  # release the KV pool after each rollout (the update gets the memory)
-    max_num_seqs: int = 1024  # paged: rows decoded together at most
-    max_num_batched_tokens: int = 8192  # paged: prompt tokens one prefill call processes at most
+    # Paged, per data-parallel shard (each is an engine of its own, as vLLM's data-parallel engine cores): rows
+    # decoded together at most, and prompt tokens one prefill call processes at most
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 8192
+    # Paged: prompt + response tokens a row holds at most (fixes the programs' block tables); None:
+    # data.max_prompt_length + data.max_response_length
+    max_model_len: int | None = None
     page_size: int = 16  # paged: tokens a KV page holds
     max_batch_size: int = 1024  # dense: response rows decoded together
     # JAX engine's decode attention: "xla" (every cache slot), "pallas" (a kernel that reads only each
@@ -151,6 +156,8 @@ class RolloutConfig:
         _check(self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 16,
                "rollout.max_num_seqs / max_num_batched_tokens",
                "need max_num_seqs >= 1 and max_num_batched_tokens >= 16")
+        _check(self.max_model_len is None or self.max_model_len > 1, "rollout.max_model_len",
+               f"{self.max_model_len}; give prompt + response tokens, or None for the data lengths' sum")
         _check(self.decode_attention in ("auto", "xla", "pallas"), "rollout.decode_attention",
                f"{self.decode_attention!r}; use 'auto', 'xla' or 'pallas'")
         _check(isinstance(self.n, int) and self.n >= 1, "rollout.n", f"n={self.n}; need n >= 1")
@@ -451,6 +458,11 @@ class RunConfig:
             _check(self.rollout.n >= 2, "algorithm.filter_groups.enable", "dynamic sampling drops groups whose "
                    "responses all score the same; it needs rollout.n >= 2")
         return self
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + response tokens a row holds at most (the paged engine's block-table width)."""
+        return self.data.max_prompt_length + self.data.max_response_length
 
     @property
     def pack_length(self) -> int:

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 import jaxrl_llm
-from jaxrl_llm import distributed
+from jaxrl_llm import compile_watch, distributed
 from jaxrl_llm.agent.config import engine_prompt_length, make_tool_runner
 from jaxrl_llm.algorithms import make_kl_controller
 from jaxrl_llm.checkpoint import resolve_resume
@@ -337,6 +337,7 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         if run.trainer.replay_batches_from:
             return self._replay_step(step)
+        compiled_before = worker.call("compile_stats")
         with timer("step"):
             passes = dict(old=self.needs_old, ref=self.needs_ref, values=run.algo.uses_critic)
             if run.filter_groups.enable:
@@ -369,6 +370,9 @@ class RLTrainer:
             metrics.update(self.agent.last_metrics)
         if "entropy" in out:
             metrics["actor/entropy_rollout"] = float(np.sum(out["entropy"]) / max(batch.response_mask.sum(), 1))
+        compiled = worker.call("compile_stats")  # a program compiled after the first step shows here
+        metrics.update(compile_watch.delta(compiled_before, compiled))
+        metrics["rollout/programs_compiled"] = compiled["engine_programs_compiled"]
         return self._step_metrics(metrics, batch, timer, step)
 
     def _replay_step(self, step: int) -> dict[str, float]:

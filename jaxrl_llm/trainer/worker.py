@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import distributed, sharding
+from jaxrl_llm import compile_watch, distributed, sharding
 from jaxrl_llm.agent.config import engine_prompt_length
 from jaxrl_llm.algorithms import (
     LossNorm,
@@ -104,7 +104,8 @@ class TrainerWorker:
         self.engine = None
         if run.rollout.engine == "jax":
             self.engine = make_jax_engine(self.cfg, self.actor.engine_params(), self.mesh, rollout=run.rollout,
-                                          max_prompt_length=engine_prompt_length(run))
+                                          max_prompt_length=engine_prompt_length(run),
+                                          max_model_len=run.rollout.max_model_len or run.max_model_len)
 
     # The train states ({"params", "opt_state", "step", "skipped"}: what checkpoints hold), by role.
     @property
@@ -279,6 +280,11 @@ class TrainerWorker:
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens_per_row=None,
                  seeds=None) -> RolloutBatch:
         return self.engine.generate(prompts, sampling, max_new_tokens_per_row=max_new_tokens_per_row, seeds=seeds)
+
+    def compile_stats(self) -> dict:
+        """This process's XLA compiles so far (jaxrl_llm.compile_watch) and the engine's programs of its last call."""
+        engine = getattr(self.engine, "last_stats", None) or {}
+        return dict(compile_watch.totals(), engine_programs_compiled=engine.get("programs_compiled", 0))
 
     def compute_log_prob(self, batch: TrainBatch) -> dict[str, np.ndarray]:
         """Old log-probs and entropy of the current actor ([R, Tr] each)."""

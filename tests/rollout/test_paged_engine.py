@@ -5,6 +5,8 @@ run and with the dense engine (rollout/dense_engine.py)."""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,7 @@ from jaxrl_llm.rollout import (
     paged_decode,
     programs,
 )
+from jaxrl_llm.rollout import shard as shard_mod
 from jaxrl_llm.rollout.page_pool import pages_for
 from jaxrl_llm.rollout.scheduler import Scheduler
 from jaxrl_llm.trainer.config import ConfigValueError, RolloutConfig
@@ -83,34 +86,40 @@ def reference():
 
 @pytest.fixture(autouse=True)
 def _fail_on_stalled_segments(monkeypatch):
-    """A decode segment that runs no step leaves the scheduler's state as it was, so the engine would plan the
+    """A decode segment that runs no step leaves the scheduler's state as it was, so the shard would plan the
     same segment forever: fail the test instead of hanging it."""
-    run = jax_engine.JaxEngine._run_segment
+    run = shard_mod.Shard._segment
 
-    def guarded(self, plan, sched, pool, width, key, spec, stats):
-        before = stats["decode_steps"]
-        run(self, plan, sched, pool, width, key, spec, stats)
-        if stats["decode_steps"] == before:
-            per_shard = [sum(r is not None for r in s) for s in plan.slots]
-            raise AssertionError(f"a decode segment ran no step (rows per shard {per_shard}, "
-                                 f"{sum(map(len, plan.slots))} slots, stop_free {plan.stop_free}): the engine "
-                                 "would loop forever")
+    def guarded(self, plan, sched, spec, key, st):
+        before = st["decode_steps"]
+        run(self, plan, sched, spec, key, st)
+        if st["decode_steps"] == before:
+            raise AssertionError(f"a decode segment ran no step ({plan.live} rows, {plan.slots} slots, stop_free "
+                                 f"{plan.stop_free}): the shard would loop forever")
 
-    monkeypatch.setattr(jax_engine.JaxEngine, "_run_segment", guarded)
+    monkeypatch.setattr(shard_mod.Shard, "_segment", guarded)
 
 
 @pytest.fixture
 def schedulers(monkeypatch) -> list[Scheduler]:
-    """Every Scheduler the engine builds (with its rows), to inspect per-row preemptions."""
+    """Every Scheduler the shards build, with `all_rows`: the rows it took (to inspect per-row preemptions)."""
     made = []
 
     class Recording(Scheduler):
-        def __init__(self, pool, rows, **kw):
-            super().__init__(pool, rows, **kw)
-            self.rows = list(rows)
+        def __init__(self, pool, source, **kw):
+            super().__init__(pool, source, **kw)
+            self.all_rows = []
+            take = source.take
+
+            def recording_take(fits):
+                group = take(fits)
+                self.all_rows.extend(group or [])
+                return group
+
+            self.source = types.SimpleNamespace(take=recording_take, pending=source.pending, full=source.full)
             made.append(self)
 
-    monkeypatch.setattr(jax_engine, "Scheduler", Recording)
+    monkeypatch.setattr(shard_mod, "Scheduler", Recording)
     return made
 
 
@@ -128,12 +137,13 @@ def test_tight_pool_preempts_all_rows_but_the_oldest_and_keeps_greedy_tokens(unb
                                                                               schedulers):
     """A pool with one usable page more than the longest row needs: every row but the first admitted is preempted
     (the oldest running row is never the newest, so never the victim) and recomputed, and the greedy tokens and
-    log-probs equal an unconstrained run's and the dense engine's."""
+    log-probs equal an unconstrained run's and the dense engine's. Prompt groups are admitted largest first (the
+    dealer's order, rollout/dealer.py), so the first admitted is prompt 2, the longest."""
     ref = reference(unbounded, GREEDY)
     assert unbounded.last_stats["preemptions"] == 0
     out = tight.generate(PROMPTS, GREEDY)
-    rows = sorted(schedulers[-1].rows, key=lambda r: r.rid)
-    assert [r.preemptions > 0 for r in rows] == [False, True, True, True]
+    rows = sorted(schedulers[-1].all_rows, key=lambda r: r.rid)
+    assert [r.preemptions > 0 for r in rows] == [True, True, False, True]
     assert tight.last_stats["preemptions"] == sum(r.preemptions for r in rows)
     assert tight.last_stats["admitted"] == len(rows) + tight.last_stats["preemptions"]
     assert tight.last_stats["num_pages"] == TIGHT and tight._pool is None  # free_cache_engine: released
@@ -336,12 +346,12 @@ def test_a_new_engine_loads_its_programs_from_disk(model, unbounded, reference, 
     out = first.generate(PROMPTS, SAMPLED)
     assert_same_outputs(out, reference(unbounded, SAMPLED), atol=0)
     built = first._programs.stats["compiled"]
-    assert built >= 4 and first._programs.stats["loaded"] == 0  # alloc, prefill, decode at least
+    assert built >= 3 and first._programs.stats["loaded"] == 0  # prefill, copy, decode at least
     kept = {p.stem for p in tmp_path.rglob("*.bin")}
-    assert len(kept) == built - 1 and not any(k.startswith("_alloc") for k in kept)
+    assert len(kept) == built
     same_process = paged(model)
     assert_same_outputs(same_process.generate(PROMPTS, SAMPLED), out, atol=0)
-    assert same_process._programs.stats == dict(compiled=0, loaded=0, compile_s=0.0, load_s=0.0)
+    assert same_process._programs.stats == dict(compiled=0, loaded=0, moved=0, compile_s=0.0, load_s=0.0, move_s=0.0)
     held = set(programs._HELD)
     assert kept <= held
     programs.forget_held()
@@ -364,8 +374,9 @@ def _forbid_device_work(monkeypatch, eng):
     def forbidden(*_, **__):
         raise AssertionError("device work ran before the request was refused")
 
-    for name in ("_alloc", "_prefill", "_copy", "_decode"):
-        monkeypatch.setattr(eng, name, forbidden)
+    monkeypatch.setattr(eng, "_warm", forbidden)
+    for name in ("alloc", "run"):
+        monkeypatch.setattr(shard_mod.Shard, name, forbidden)
 
 
 def test_pool_too_small_for_the_longest_row_is_refused_before_any_work(model, unbounded, monkeypatch):
@@ -447,7 +458,7 @@ def test_greedy_tokens_equal_an_unconstrained_run_for_any_budget_that_fits(model
 
 @pytest.mark.parametrize("sp", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_data_parallel_tight_pool_equals_one_device(model, unbounded, sp, reference):
-    """(data 4, fsdp 1, tensor 2): four shards, each with its own page range of TIGHT pages a device, half the kv
+    """(data 4, fsdp 1, tensor 2): four shards, each with a pool of its own of TIGHT pages a device, half the kv
     heads a device; tokens equal the single-device engine's."""
     cfg, params = model
     mesh = sharding.make_mesh(4, 1, 2)
@@ -456,7 +467,7 @@ def test_data_parallel_tight_pool_equals_one_device(model, unbounded, sp, refere
     eng = JaxEngine(cfg, params, dtype="float32", mesh=mesh, page_size=2, kv_cache_memory_bytes=pb * TIGHT,
                     max_segment=4)
     out = eng.generate(PROMPTS, sp)
-    assert eng.last_stats["num_pages"] == 4 * TIGHT and eng.last_stats["kv_bytes"] <= pb * TIGHT
+    assert eng.last_stats["num_pages"] == TIGHT and eng.last_stats["kv_bytes"] <= pb * TIGHT  # each shard's pool
     assert_same_outputs(out, reference(unbounded, sp))
 
 

@@ -1,0 +1,116 @@
+"""The paged engine's device memory: what one page and the temporaries cost, how large each shard's pool is, and
+the refusal of a request that cannot fit.
+
+A pool's size is decided once, at the first call (when the trainer's state is on the devices), and kept: its
+shape is in every program's key, so a size taken from the free memory of the moment would recompile them at
+a later call. It changes only when it must: an unbounded pool (no budget, no allocator statistics: the CPU)
+grows for a request that needs more, and a pool sized from `gpu_memory_utilization` shrinks when what the
+devices already hold has grown so much that it no longer fits (a recompile is better than running out of
+memory).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax.numpy as jnp
+
+from jaxrl_llm import distributed
+from jaxrl_llm.rollout.base import RolloutError
+from jaxrl_llm.rollout.ladders import ATTN_BYTES
+from jaxrl_llm.rollout.page_pool import KvBudget, kv_bytes_per_token, pages_for, size_pool
+
+log = logging.getLogger(__name__)
+
+SHRINK_SLACK = 0.98  # a sized pool is kept while the budget still holds this share of it
+
+
+class EngineMemory:
+    """Mixin of JaxEngine: pool sizing and the up-front memory check (uses its config attributes)."""
+
+    @property
+    def _kv_heads_local(self) -> int:
+        k = self.cfg.num_key_value_heads
+        return k // self._tensor if k % self._tensor == 0 else k
+
+    def page_bytes(self) -> int:
+        """One page's K and V over every layer, on one device."""
+        itemsize = jnp.dtype(self.cfg.dtype).itemsize
+        return self.page_size * kv_bytes_per_token(self.cfg.num_hidden_layers, self._kv_heads_local,
+                                                   self.cfg.head_dim, itemsize)
+
+    def workspace_bytes(self, table_width: int) -> int:
+        """The decode and prefill temporaries a device holds beside the pool (an estimate from shapes)."""
+        c, itemsize = self.cfg, jnp.dtype(self.cfg.dtype).itemsize
+        s = self.max_num_seqs
+        v, n, kh = c.vocab_size, c.num_attention_heads, self._kv_heads_local
+        decode = s * v * 4 * 4  # fp32 logits, their log-softmax and the sampler's temporaries
+        if self.decode_attention == "xla":  # one layer's gathered pages and scores
+            decode += s * table_width * self.page_size * (2 * kh * c.head_dim * itemsize + n * 4 * 2)
+        t = self.max_num_batched_tokens
+        prefill = t * (3 * c.hidden_size + c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size) * itemsize
+        prefill += 2 * ATTN_BYTES
+        return int(max(decode, prefill) + (256 << 20))
+
+    def _pool_budget(self, rows: int, longest: int) -> KvBudget:
+        """Each shard's pool (see the module docstring); every process builds the same."""
+        width = self.ladders.width
+        unbounded = min(rows, self.max_num_seqs) * pages_for(longest, self.page_size) + 1
+        want = size_pool(page_bytes=self.page_bytes(), workspace=self.workspace_bytes(width),
+                         gpu_memory_utilization=self.gpu_memory_utilization,
+                         kv_cache_memory_bytes=self.kv_cache_memory_bytes, unbounded_pages=unbounded,
+                         device=self._base.devices[0])
+        if distributed.process_count() > 1:
+            pages = min(distributed.allgather_objects(want.num_pages))
+            want = KvBudget(pages, want.page_bytes, want.source, want.device_limit, want.in_use, want.workspace)
+        have = self._budget
+        held = any(s.pool is not None for s in self.local_shards)  # then in_use counts the pool itself
+        if have is not None and (not self._must_resize(have, want) or (held and want.source == have.source
+                                                                       == "gpu_memory_utilization")):
+            return have
+        if have is not None:
+            log.warning("paged engine: the KV pool goes from %d to %d pages a shard (%s); its programs are built "
+                        "again", have.num_pages, want.num_pages, want.source)
+            self.release()
+        self._budget = want
+        return want
+
+    @staticmethod
+    def _must_resize(have: KvBudget, want: KvBudget) -> bool:
+        if want.source != have.source or want.source == "kv_cache_memory_bytes":
+            return want.num_pages != have.num_pages
+        if want.source == "unbounded":
+            return want.num_pages > have.num_pages
+        return want.num_pages < SHRINK_SLACK * have.num_pages
+
+    def _check_fits(self, budget: KvBudget, longest: int, prompt_len: int, max_new: int) -> None:
+        usable = budget.num_pages - 1
+        need = pages_for(longest, self.page_size)
+        if usable >= need:
+            return
+        gib = budget.num_pages * budget.page_bytes / 2**30
+        where = {"kv_cache_memory_bytes": f"rollout.kv_cache_memory_bytes = {self.kv_cache_memory_bytes}",
+                 "gpu_memory_utilization": (f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization} of "
+                                            f"{budget.device_limit / 2**30:.1f} GiB, less {budget.in_use / 2**30:.1f} "
+                                            f"GiB in use and {budget.workspace / 2**30:.1f} GiB of workspace"),
+                 "unbounded": "the unbounded pool"}[budget.source]
+        raise RolloutError(
+            f"the KV pool cannot hold one longest response: it has {max(usable, 0)} usable pages of {self.page_size} "
+            f"tokens a device ({gib:.2f} GiB, from {where}), and a row of prompt {prompt_len} + max_new_tokens "
+            f"{max_new} tokens needs {need}. Raise rollout.gpu_memory_utilization or set "
+            "rollout.kv_cache_memory_bytes, lower data.max_response_length or data.max_prompt_length, or free "
+            "device memory (trainer.ref_offload, a tensor-parallel mesh with train.mesh_tensor)")
+
+    def release(self) -> None:
+        """Frees the KV pools now (they are re-allocated, at the same size, by the next `generate`)."""
+        for s in self.shards:
+            if s.pool is not None:
+                for k, v in s.pool:
+                    k.delete()
+                    v.delete()
+            s.release()
+
+    @property
+    def _pool(self):
+        """The base shard's pool (None when released)."""
+        return self._base.pool

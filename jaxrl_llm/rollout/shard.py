@@ -1,0 +1,159 @@
+"""One data-parallel shard of the paged engine: its devices, its view of the weights, its KV pool, and its loop.
+
+The engine (rollout/jax_engine.py) splits its mesh into data-parallel groups (the devices of one shard: one
+device, or the `tensor` devices that split its heads). Each group is a `Shard` and runs as an engine of its
+own, on its own thread: its own scheduler over its own pool, its own slot bucket and stop rule, on programs
+compiled once for the first shard and loaded onto the others (rollout/programs.py). No shard waits for
+another's rows; the only thing shards share is the dealer they take prompt groups from (rollout/dealer.py).
+
+A shard's weights are a view of the engine's: the engine layout is replicated over the data-parallel axes,
+so every shard's devices already hold a whole copy, and the view is built from those buffers with no copy.
+
+Per decode segment the host does array operations only (the scheduler's growth and commit) and makes one
+host-to-device copy of the packed inputs (rollout/paged_decode.py, DECODE_COLS) and one device-to-host copy
+of the outputs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as Pspec
+
+from jaxrl_llm import distributed, sharding
+from jaxrl_llm.rollout import paged_decode
+from jaxrl_llm.rollout.ladders import Chunk
+from jaxrl_llm.rollout.page_pool import PagePool
+from jaxrl_llm.rollout.routing import record_routes
+from jaxrl_llm.rollout.scheduler import Plan, Scheduler
+
+
+class Shard:
+    """One shard's devices and state; `run` drives its rows of a request to the end.
+
+    Args:
+      engine: the JaxEngine (its config, its programs, its jitted functions).
+      index: the shard's place among the engine's shards.
+      mesh: the shard's own mesh (the engine's axes, sizes 1 but for `tensor`).
+    """
+
+    def __init__(self, engine, index: int, mesh: Mesh):
+        self.engine, self.index, self.mesh = engine, index, mesh
+        self.devices = list(mesh.devices.flat)
+        self.local = all(d.process_index == jax.process_index() for d in self.devices)
+        self.replicated = NamedSharding(mesh, Pspec())
+        self.params = None
+        self.pool = None
+        self.num_pages = 0
+        self.programs: dict = {}  # (program, host input shape, static) -> the compiled program on these devices
+
+    # ---- weights and memory ------------------------------------------------------------------
+    def set_params(self, engine_params) -> None:
+        """This shard's view of the engine's weights (the same buffers, no copy); None drops it."""
+        self.params = None if engine_params is None else jax.tree.map(self._view, engine_params)
+
+    def _view(self, x: jax.Array) -> jax.Array:
+        mine = {d: s.data for s in x.addressable_shards if (d := s.device) in self.devices}
+        return jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(self.mesh, x.sharding.spec), [mine[d] for d in self.devices if d in mine])
+
+    def pool_sharding(self, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, sharding.logical_to_spec(paged_decode.POOL_AXES, shape, self.mesh))
+
+    def alloc(self, num_pages: int, spec) -> None:
+        """A zeroed pool of `num_pages` pages on this shard's devices."""
+        eng = self.engine
+        shape = (spec.num_kv_heads, num_pages, eng.page_size, spec.head_dim)
+        fn = eng._alloc_fn(self, num_pages, spec, self.pool_sharding(shape))
+        if num_pages != self.num_pages:
+            self.programs.clear()  # the pool's shape is in every program's key
+        self.pool = fn()
+        self.num_pages = num_pages
+
+    def release(self) -> None:
+        self.pool = None
+
+    def put(self, x: np.ndarray) -> jax.Array:
+        """A host array replicated over this shard's devices."""
+        return distributed.put(x, self.replicated)
+
+    # ---- a request ---------------------------------------------------------------------------
+    def run(self, source, spec, key_data: np.ndarray, stop: threading.Event) -> dict:
+        """Runs the rows `source` deals this shard, to the end; returns the shard's statistics."""
+        eng = self.engine
+        lad = eng.ladders
+        sched = Scheduler(PagePool(self.num_pages, eng.page_size), source, slot_cap=eng.max_num_seqs,
+                          max_seg=eng.max_segment, width=lad.width, share_prompts=eng.share_prompt_pages)
+        st = dict(segments=0, decode_steps=0, row_steps=0, prefill_calls=0, plan_s=0.0, tokens=0)
+        t0 = time.perf_counter()
+        while not sched.done() and not stop.is_set():
+            t = time.perf_counter()
+            plan = sched.plan()
+            st["plan_s"] += time.perf_counter() - t
+            for call in lad.calls(plan.prefills):
+                self._prefill(call, spec)
+                st["prefill_calls"] += 1
+            if len(plan.copies[0]):
+                self._copy(plan.copies)
+            if plan.live:
+                self._segment(plan, sched, spec, key_data, st)
+        st.update(sched.stats, seconds=time.perf_counter() - t0)
+        return st
+
+    def _prefill(self, call: list[Chunk], spec) -> None:
+        eng, lad = self.engine, self.engine.ladders
+        length, fresh = call[0].length, call[0].fresh
+        options = lad.row_options(length, fresh)
+        b = options[0] if len(call) <= options[0] else options[-1]
+        wc = lad.table_width(length, fresh)
+        packed = np.zeros((b, length + wc + 2), np.int32)
+        for i, c in enumerate(call):
+            pages = c.task.pages[:wc]
+            packed[i, : c.end - c.start] = c.task.row.context()[c.start: c.end]
+            packed[i, length: length + len(pages)] = pages
+            packed[i, length + wc], packed[i, length + wc + 1] = c.start, c.end - c.start
+        prog = eng._shard_program(self, "_prefill", (self.params, self.pool, packed),
+                                  {"spec": spec, "length": length})
+        self.pool, routes = prog(self.params, self.pool, self.put(packed))
+        if routes is not None:  # [b, length, L_moe, k]
+            routes = distributed.fetch(routes)
+            for i, c in enumerate(call):
+                record_routes(c.task.row, c.start, routes[i, : c.end - c.start])
+
+    def _copy(self, copies: tuple[np.ndarray, np.ndarray]) -> None:
+        c = self.engine.ladders.copy_slots
+        packed = np.zeros((2, c), np.int32)  # unused pairs copy the scratch page onto itself
+        packed[0, : len(copies[0])], packed[1, : len(copies[1])] = copies
+        prog = self.engine._shard_program(self, "_copy", (self.pool, packed), {})
+        self.pool = prog(self.pool, self.put(packed))
+
+    def _segment(self, plan: Plan, sched: Scheduler, spec, key_data: np.ndarray, st: dict) -> None:
+        """One decode segment. On GPUs the call returns when the segment is done (XLA runs the data-dependent
+        while loop from the host), so the shard's thread waits there, with the GIL released, while the other
+        shards run; `plan_s` counts the host's own work (planning, packing, committing)."""
+        t0 = time.perf_counter()
+        s, n, w = plan.slots, plan.live, sched.width
+        packed = np.zeros((s, w + paged_decode.DECODE_COLS), np.int32)
+        packed[:n, :w] = sched.table[:n]
+        packed[:n, w: w + 6] = np.stack([sched.ctx[:n], sched.last[:n], sched.ntok[:n], sched.maxtok[:n],
+                                         np.ones(n, np.int64), sched.stream[:n]], axis=1)
+        packed[:, w + 6], packed[:, w + 7] = plan.seg, plan.stop_free
+        packed[:, w + 8: w + 10] = key_data
+        prog = self.engine._shard_program(self, "_decode", (self.params, self.pool, packed), {"spec": spec})
+        st["plan_s"] += time.perf_counter() - t0
+        self.pool, out = prog(self.params, self.pool, self.put(packed))
+        out = distributed.fetch_tree(out)
+        t0 = time.perf_counter()
+        if "routing" in out:  # step j fed position ctx + j
+            for i in range(n):
+                record_routes(sched.rows[i], int(sched.ctx[i]), out["routing"][i, : int(out["count"][i])])
+        sched.commit(out["tokens"], out["logps"], out["count"], out["active"])
+        st["plan_s"] += time.perf_counter() - t0
+        st["segments"] += 1
+        st["decode_steps"] += int(out["steps"])
+        st["row_steps"] += int(out["steps"]) * s
+        st["tokens"] += int(out["count"][:n].sum())

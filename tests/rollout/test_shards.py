@@ -1,0 +1,188 @@
+"""Each data-parallel shard of the paged engine is an engine of its own (rollout/shard.py): the deal of prompt groups
+and stealing (rollout/dealer.py), the program ladders (rollout/ladders.py), an executable moved to other devices
+(rollout/programs.py), and on 4 simulated devices: no more decode segments than one device given the same share,
+`max_num_seqs` per shard, and nothing compiled after the first calls, however prompts and budgets change."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import compile_watch, sharding
+from jaxrl_llm.models import load_hf, split_model
+from jaxrl_llm.rollout import JaxEngine, SamplingParams
+from jaxrl_llm.rollout import shard as shard_mod
+from jaxrl_llm.rollout.dealer import Dealer, deal
+from jaxrl_llm.rollout.ladders import ATTN_BYTES, Ladders
+from jaxrl_llm.rollout.programs import _load_on
+from jaxrl_llm.rollout.scheduler import PrefillTask, Row, RowStore
+from tests.hf_models import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    make_hf_model(d, vocab_size=96, initializer_range=0.3, eos_token_id=7)
+    m = load_hf(d)
+    return m.cfg, split_model(m)[1]
+
+
+def rows_of(prompt_lens: list[int], n: int, budget) -> list[list[Row]]:
+    store = RowStore(len(prompt_lens) * n, 64, 0)
+    return [[Row(rid=i * n + j, prompt=i, ids=np.ones(length, np.int32), max_tokens=budget(i, j), store=store)
+             for j in range(n)] for i, length in enumerate(prompt_lens)]
+
+
+# ---- the deal and stealing ----------------------------------------------------------------------------------
+
+
+def test_deal_keeps_groups_whole_and_evens_the_work():
+    groups = rows_of([5, 30, 7, 12, 3, 20, 9, 4], 3, lambda i, j: 10 + i)
+    dealt = deal(groups, 3)
+    assert sorted(id(g) for q in dealt for g in q) == sorted(id(g) for g in groups)  # every group once, whole
+    load = [sum(len(r.ids) + r.max_tokens for g in q for r in g) for q in dealt]
+    biggest = max(sum(len(r.ids) + r.max_tokens for r in g) for g in groups)
+    assert max(load) - min(load) <= biggest  # longest-processing-time first: within one group of even
+    for q in dealt:  # each shard's own groups come largest first
+        cost = [sum(len(r.ids) + r.max_tokens for r in g) for g in q]
+        assert cost == sorted(cost, reverse=True)
+    assert deal(groups, 3) == dealt  # a pure function: every process deals the same
+
+
+def test_a_shard_takes_another_shards_group_only_when_that_shard_cannot_admit_it():
+    groups = rows_of([4, 4, 4, 4], 1, lambda i, j: 8)
+    dealer = Dealer([groups[:1], groups[1:]], [0, 1], steal=True)
+    a, b = dealer.source(0), dealer.source(1)
+    yes = lambda row: True
+    assert a.take(yes) is groups[0] and a.take(yes) is None  # its own are gone; shard 1 is not blocked yet
+    assert a.pending() is False and b.pending() is True
+    assert b.take(yes) is groups[1]
+    b.full()  # shard 1's slots are taken: its next groups wait
+    assert a.pending() is True
+    assert a.take(lambda row: False) is None  # a group a shard cannot fit stays where it is
+    assert a.take(yes) is groups[3] and dealer.stolen == 1  # from the back of the blocked shard's queue
+    assert b.take(lambda row: False) is None and dealer.blocked[1]  # its own group does not fit: blocked
+    assert a.take(yes) is groups[2] and not b.pending() and dealer.stolen == 2
+    no_steal = Dealer([groups[:1], groups[1:]], [0, 1], steal=False)
+    no_steal.source(1).full()
+    assert no_steal.source(0).take(yes) is groups[0] and no_steal.source(0).take(yes) is None
+    assert not no_steal.source(0).pending()
+
+
+# ---- the program ladders ------------------------------------------------------------------------------------
+
+
+def test_ladders_are_fixed_by_config_and_cover_every_prefill():
+    lad = Ladders(width=128, page_size=16, num_heads=28, max_batched_tokens=8192, max_prompt=512, slot_cap=1024)
+    assert lad.fresh_lengths(512) == [16, 32, 64, 128, 256, 512] and lad.max_fresh == 2048
+    for length in lad.fresh_lengths() + lad.cont_lengths:
+        for fresh in (True, False):
+            for b in lad.row_options(length, fresh):
+                ctx = length if fresh else lad.width * lad.page_size
+                assert b * length <= 8192 and b * length * ctx * 28 * 4 <= max(ATTN_BYTES, length * ctx * 28 * 4)
+    store = RowStore(4, 8, 0)
+    long_row = Row(0, 0, np.ones(3000, np.int32), 8, store)
+    tasks = [PrefillTask(long_row, 0, 2999, np.zeros(0)), PrefillTask(Row(1, 1, np.ones(40, np.int32), 8, store), 0,
+                                                                        39, np.zeros(0))]
+    store.lengths[2] = 5  # a resumed row: its context after 16 shared prompt tokens
+    tasks.append(PrefillTask(Row(2, 2, np.ones(20, np.int32), 8, store), 16, 24, np.zeros(0)))
+    calls = lad.calls(tasks)
+    covered = {}
+    for call in calls:
+        assert len({(c.length, c.fresh) for c in call}) == 1  # one program a call
+        for c in call:
+            assert c.end - c.start <= c.length
+            covered.setdefault(c.task.row.rid, []).append((c.start, c.end))
+    assert covered[0][0] == (0, 2048) and covered[1] == [(0, 39)] and covered[2] == [(16, 24)]
+    assert all(a[1] == b[0] for a, b in zip(covered[0], covered[0][1:])) and covered[0][-1][1] == 2999
+    first_resumed = min(i for i, call in enumerate(calls) if call[0].task.row.rid == 2)
+    assert all(c.task.row.ntok == 0 for call in calls[:first_resumed] for c in call)  # fresh rows first
+
+
+# ---- one executable on other devices ------------------------------------------------------------------------
+
+
+def test_an_executable_moved_to_another_device_runs_there_with_the_same_result():
+    devices = jax.devices()[:2]
+    f = jax.jit(lambda w, x: (jnp.tanh(x @ w).sum(0), x * 2), donate_argnums=(1,))
+    w, x = np.random.default_rng(0).normal(size=(2, 16, 16)).astype(np.float32)
+    compiled = f.lower(jax.device_put(w, devices[0]), jax.device_put(x, devices[0])).compile()
+    before = compile_watch.totals()["compiles"]
+    moved = _load_on(compiled, devices[:1], devices[1:])
+    out = moved(jax.device_put(w, devices[1]), jax.device_put(x, devices[1]))
+    assert compile_watch.totals()["compiles"] == before  # loaded, not compiled
+    assert out[0].devices() == {devices[1]}
+    np.testing.assert_allclose(out[0], np.tanh(x @ w).sum(0), rtol=1e-5)
+
+
+# ---- the engine on 4 shards ---------------------------------------------------------------------------------
+
+
+def _prompts(rng, count: int, lo: int = 2, hi: int = 12) -> list[list[int]]:
+    return [rng.integers(10, 90, size=int(rng.integers(lo, hi))).tolist() for _ in range(count)]
+
+
+@pytest.mark.parametrize("max_num_seqs", [32, 8], ids=["all_at_once", "refills"])
+def test_four_shards_run_no_more_segments_than_one_device_given_the_same_share(model, max_num_seqs):
+    """One device decodes 8 prompts x 4 with mixed budgets (all admitted at once, or through 8 slots with refills);
+    four shards get four times the rows, dealt so each has the same share. Each shard runs its own segments: the
+    busiest runs at most 25% more than the single device, and the shared prompts' tokens are one device's. (With
+    refills, stealing is off: a shard that takes another's rows runs more segments, by design.)"""
+    cfg, params = model
+    rng = np.random.default_rng(0)
+    prompts, budgets = _prompts(rng, 8), rng.integers(2, 40, size=32)
+    kw = dict(dtype="float32", page_size=4, max_num_seqs=max_num_seqs, max_segment=8, max_model_len=64)
+    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3)
+    one = JaxEngine(cfg, params, **kw)
+    ref = one.generate(prompts, sp, max_new_tokens_per_row=budgets)
+    four = JaxEngine(cfg, params, mesh=sharding.make_mesh(4, 1, 1, devices=jax.devices()[:4]), **kw)
+    four._steal = max_num_seqs >= 32
+    out = four.generate(prompts * 4, sp, max_new_tokens_per_row=np.tile(budgets, 4))
+    s1, s4 = one.last_stats, four.last_stats
+    assert s4["shards"] == 4 and s4["stolen"] == 0
+    assert s4["shard_tokens"] == [s1["tokens"]] * 4  # the same share a shard
+    assert max(s4["shard_segments"]) <= 1.25 * s1["segments"], (s4["shard_segments"], s1["segments"])
+    np.testing.assert_array_equal(out.lengths, np.tile(budgets, 4))
+    np.testing.assert_array_equal(out.tokens[:32], ref.tokens)  # the first copy: the same rows and streams
+
+
+def test_max_num_seqs_is_per_shard(model, monkeypatch):
+    """max_num_seqs = 2 on 4 shards: each shard decodes two rows at once (8 in all), as vLLM's per-engine limit."""
+    cfg, params = model
+    live = []
+    run = shard_mod.Shard._segment
+
+    def watch(self, plan, sched, spec, key, st):
+        live.append((self.index, plan.live))
+        run(self, plan, sched, spec, key, st)
+
+    monkeypatch.setattr(shard_mod.Shard, "_segment", watch)
+    eng = JaxEngine(cfg, params, dtype="float32", page_size=4, max_num_seqs=2, mesh=sharding.make_mesh(4, 1, 2))
+    eng.generate([[5, 6, 7]] * 8, SamplingParams(n=2, temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    first = {}
+    for i, n in live:
+        first.setdefault(i, n)
+    assert first == {0: 2, 1: 2, 2: 2, 3: 2} and max(n for _, n in live) == 2  # every shard starts full
+
+
+@pytest.mark.parametrize("data", [1, 4])
+def test_nothing_compiles_after_the_first_calls(model, data):
+    """With the ladders built ahead (warm_programs), calls with fresh prompts (other lengths) and fresh response
+    budgets compile nothing at all: not an engine program, nor anything else jax compiles."""
+    cfg, params = model
+    rng = np.random.default_rng(data)
+    eng = JaxEngine(cfg, params, dtype="float32", page_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                    max_prompt_length=32, max_model_len=64, warm_programs=True,
+                    mesh=sharding.make_mesh(data, 1, 1, devices=jax.devices()[:data]))
+    for call in range(5):
+        sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=int(rng.integers(8, 32)), seed=call)
+        prompts = _prompts(rng, int(rng.integers(3, 9)), lo=2, hi=32)
+        before = compile_watch.totals()
+        out = eng.generate(prompts, sp, max_new_tokens_per_row=rng.integers(1, sp.max_new_tokens + 1,
+                                                                             size=2 * len(prompts)))
+        compiled = compile_watch.totals()["compiles"] - before["compiles"]
+        assert len(out) == 2 * len(prompts)
+        if call >= 2:
+            assert compiled == 0 and eng.last_stats["programs_compiled"] == 0, (call, compiled, eng.last_stats)
