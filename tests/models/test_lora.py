@@ -99,6 +99,10 @@ def test_peft_loads_our_adapters_and_computes_our_logits(tmp_path, family, targe
     ((8, 0, "all-linear", (), None), "model.lora_alpha: 0; need > 0"),
     ((0, 16, "all-linear", (), "/nonexistent"), "model.lora_adapter_path: an adapter needs LoRA on"),
     ((8, 16, "all-linear", (), "/nonexistent"), "model.lora_adapter_path: '/nonexistent' is not a PEFT adapter"),
+    ((0, 16, ("q_proj",), (), None), r"model.target_modules is set but model.lora_rank is 0, which trains every "
+                                      r"weight \(full fine-tuning\); set model.lora_rank"),
+    ((0, 16, "all-linear", (), None), "model.target_modules is set but model.lora_rank is 0"),
+    ((0, 16, None, ("q_proj",), None), "model.exclude_modules is set but model.lora_rank is 0"),
 ])
 def test_bad_lora_settings_fail_with_one_error_naming_the_key(args, match):
     with pytest.raises(ConfigError, match=match):
