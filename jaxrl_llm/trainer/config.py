@@ -383,7 +383,7 @@ class TrainerConfig:
     run_dir: str = "runs/run"  # metrics, TensorBoard, checkpoints and the operative config go here
     total_epochs: int = 1  # passes over the training data (unless total_training_steps)
     total_training_steps: int | None = None  # training steps (None: total_epochs' worth)
-    save_freq: int = -1  # a checkpoint every N steps and at the end (-1: only at the end)
+    save_freq: int = 20  # a checkpoint every N steps and at the end (-1: only at the end)
     max_checkpoints_to_keep: int = 2  # the newest checkpoints kept; older ones are deleted
     test_freq: int = -1  # validate every N steps and at the end (-1: never)
     val_before_train: bool = False  # validate once before the first step
