@@ -90,8 +90,10 @@ class DataConfig:
     def __post_init__(self):  # one path as a plain string, as veRL takes it ('' for none), or a list
         for key in ("train_files", "val_files"):
             value = getattr(self, key)
-            if isinstance(value, str | list):
-                object.__setattr__(self, key, ((value,) if value else ()) if isinstance(value, str) else tuple(value))
+            if isinstance(value, str):
+                object.__setattr__(self, key, (value,) if value else ())
+            elif isinstance(value, list):
+                object.__setattr__(self, key, tuple(value))
 
     def validate(self):
         _check(self.source in ("files", "arithmetic", "multiply"), "data.source", f"{self.source!r}; use 'files'")
