@@ -27,6 +27,18 @@ from jaxrl_llm import distributed
 log = logging.getLogger(__name__)
 
 
+class _ReadOnlyNotices(logging.Filter):
+    """Drops Orbax's warnings on opening a checkpoint dir read-only: export and resume-from-a-path do so on
+    purpose, and each open printed two WARNING lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(("Given directory is read only",
+                                                    "CheckpointManagerOptions.read_only=True"))
+
+
+logging.getLogger("absl").addFilter(_ReadOnlyNotices())
+
+
 class CheckpointSaveError(OSError):
     """Saving failed (disk full, unwritable run dir); the previous checkpoints are intact."""
 

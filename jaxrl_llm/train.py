@@ -14,15 +14,18 @@ JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; SLURM's are read too
 from __future__ import annotations
 
 import argparse
+import glob
 import io
 import logging
 import os
+import re
 import shutil
 import sys
 import tokenize
 
 import gin
 
+from jaxrl_llm.trainer.config_keys import LIST_HINT, format_keys, hint, operative_config
 from jaxrl_llm.trainer.process import run_process, setup_logging
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,10 +42,24 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
+def _epilog() -> str:
+    recipes = sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(os.path.join(REPO_ROOT, "gin", "*.gin"))
+                     if os.path.basename(p) != "base.gin")
+    return ("Keys: every gin key (actor.lr, train.total_epochs, ...) with its default and doc:\n"
+            "  python -m jaxrl_llm.train --list_keys          (or --list_keys=actor for the keys containing 'actor')\n"
+            "Bindings: --gin_param='train.total_epochs=3' or the shorthand --gin.train.total_epochs=3; strings\n"
+            "  keep their gin quotes: --gin.model.path=\"'/models/Qwen2.5-7B'\". veRL's trainer.* is train.* here,\n"
+            "  actor_rollout_ref.actor.* is actor.*, actor_rollout_ref.rollout.* is rollout.*.\n"
+            "Recipes (--gin_file): " + ", ".join(recipes))
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _ArgumentParser(prog="python -m jaxrl_llm.train", description=__doc__.split("\n")[0])
+    parser = _ArgumentParser(prog="python -m jaxrl_llm.train", description=__doc__.split("\n")[0],
+                             epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     parser.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
+    parser.add_argument("--list_keys", nargs="?", const="", default=None, metavar="FILTER",
+                        help="print every config key (or those containing FILTER) with its default and doc, then exit")
     parser.add_argument("--log_level", default="INFO")
     parser.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0 (multi-process)")
     parser.add_argument("--num_processes", type=int, default=None, help="processes in the run")
@@ -52,8 +69,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for arg in rest:  # t5x shorthand: --gin.train.total_epochs=3
         if arg.startswith("--gin.") and "=" in arg:
             args.gin_param.append(arg[len("--gin."):])
+        elif not arg.startswith("-") and "=" in arg:  # veRL's (Hydra's) KEY=VALUE
+            advice = hint(arg.split("=", 1)[0])
+            parser.error(f"unrecognized argument {arg!r}: bindings go in --gin.KEY=VALUE or --gin_param='KEY=VALUE'"
+                         + (f"; {advice}" if advice else ""))
         else:
             parser.error(f"unrecognized argument {arg!r}")
+    if args.list_keys is not None:
+        return args
     if not args.gin_file:
         parser.error("give at least one --gin_file (e.g. gin/grpo_tiny.gin)")
     return args
@@ -78,8 +101,25 @@ def parse_config(gin_files: list[str], gin_params: list[str]):
         bad = [p for p in gin_params if not _tokenizes(p)] or gin_files
         raise UsageError(f"config: cannot parse {bad[0]!r}: an unclosed bracket or quote") from None
     except (ValueError, KeyError, TypeError, OSError, SyntaxError) as e:
-        msg = str(e).strip().splitlines()
-        raise UsageError(f"config: {' / '.join(m.strip() for m in msg if m.strip())}") from None
+        msg = [m.strip() for m in str(e).strip().splitlines() if m.strip()]
+        raise UsageError(_unknown_key(msg) or f"config: {' / '.join(msg)}") from None
+
+
+def _unknown_key(msg: list[str]) -> str | None:
+    """gin's 'no such configurable / parameter' error as one line naming the key, where it was bound, and the
+    nearest key (or ours for a veRL spelling)."""
+    m = re.match(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg[0])
+    if m:
+        key = f"{m.group(1)}.{m.group(2)}"
+    elif msg[0].startswith("No configurable matching"):
+        binding = next((line for line in reversed(msg) if re.match(r"^[\w.]+\s*=", line)), "")
+        key = binding.split("=", 1)[0].strip()
+    else:
+        return None
+    where = next((line[3:] for line in msg if line.startswith("In ")), "")
+    advice = hint(key) if key else ""
+    where = f" ({where})" if where else ""
+    return f"config: unknown key {key or msg[0]}{where}{'; ' + advice if advice else ''} ({LIST_HINT})"
 
 
 def _tokenizes(text: str) -> bool:
@@ -130,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ValueError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+    if args.list_keys is not None:
+        print(format_keys(args.list_keys or None))
+        return 0
     setup_logging(args.log_level, spec.process_id)
     run_dir = None
     created = False
@@ -151,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                                      "or use train.driver='ray'")
                 from jaxrl_llm.trainer.spmd_ray import fit_on_ray
 
-                fit_on_ray(run, gin.config_str(), log_level=args.log_level)
+                fit_on_ray(run, operative_config(run), log_level=args.log_level)
             else:
-                run_process(run, gin.config_str(), spec)
+                run_process(run, operative_config(run), spec)
         except BaseException:
             if created and _is_stub(run_dir):  # failed before any step was logged or saved: leave no stub
                 shutil.rmtree(run_dir, ignore_errors=True)

@@ -314,8 +314,10 @@ def binding_case(binding: str, *needles: str):
 
 
 @pytest.mark.parametrize("binding, needles", [
-    binding_case("train.nope = 1", "'train'", "'nope'"),
-    binding_case("trian.total_epochs = 1", "'trian'"),
+    binding_case("train.nope = 1", "unknown key train.nope", "--list_keys"),
+    binding_case("trian.total_epochs = 1", "unknown key trian.total_epochs", "did you mean train.total_epochs"),
+    binding_case("trainer.save_freq = 10", "veRL's trainer.save_freq is train.save_freq here"),
+    binding_case("model.target_modules = ['q_proj']", "model.target_modules is set but model.lora_rank is 0"),
     binding_case("rollout.top_p = 1.5", "rollout.top_p", "1.5"),
     binding_case("rollout.n = 0", "rollout.n", "n >= 1"),
     binding_case("data.source = 'files'", "data.train_files"),  # a required value is missing

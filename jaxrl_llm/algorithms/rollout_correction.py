@@ -75,7 +75,7 @@ class RolloutCorrectionConfig:
     rollout_rs: str | None = None
     rollout_rs_threshold: float | str | None = None
     bypass_mode: bool = False
-    loss_type: str = "ppo_clip"
+    loss_type: str = "ppo_clip"  # bypass mode's loss: "ppo_clip" or "reinforce"
 
     def validate(self) -> None:
         """Raise ValueError naming the field for an unknown mode or a bad / missing threshold."""

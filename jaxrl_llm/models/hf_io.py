@@ -245,10 +245,7 @@ def write_hf_dir(params, cfg: DecoderConfig, out_dir: str | os.PathLike, *, crit
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
     if tokenizer_dir:
-        for fname in TOKENIZER_FILES + ("generation_config.json",):
-            src = os.path.join(tokenizer_dir, fname)
-            if os.path.exists(src):
-                shutil.copyfile(src, os.path.join(out_dir, fname))
+        copy_tokenizer(tokenizer_dir, out_dir)
     gen_path = os.path.join(out_dir, "generation_config.json")
     if not os.path.exists(gen_path):
         gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
@@ -257,6 +254,14 @@ def write_hf_dir(params, cfg: DecoderConfig, out_dir: str | os.PathLike, *, crit
         with open(gen_path, "w") as f:
             json.dump(gen, f, indent=2)
     return out_dir
+
+
+def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> None:
+    """The tokenizer files (and generation config) of `tokenizer_dir` that exist, into `out_dir`."""
+    for fname in TOKENIZER_FILES + ("generation_config.json",):
+        src = os.path.join(tokenizer_dir, fname)
+        if os.path.exists(src):
+            shutil.copyfile(src, os.path.join(out_dir, fname))
 
 
 def save_hf(model: nnx.Module, out_dir: str | os.PathLike, *, tokenizer_dir: str | None = None,
@@ -269,5 +274,5 @@ def save_hf(model: nnx.Module, out_dir: str | os.PathLike, *, tokenizer_dir: str
                         tokenizer_dir=tokenizer_dir, dtype=dtype, max_shard_size=max_shard_size)
 
 
-__all__ = ["CheckpointError", "ConfigError", "is_critic_checkpoint", "iter_hf_tensors", "load_hf", "load_params",
-           "save_hf", "write_hf_dir"]
+__all__ = ["CheckpointError", "ConfigError", "copy_tokenizer", "is_critic_checkpoint", "iter_hf_tensors", "load_hf",
+           "load_params", "save_hf", "write_hf_dir"]

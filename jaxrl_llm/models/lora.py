@@ -65,12 +65,15 @@ def _check_moe_targets(targets) -> None:
 
 
 def resolve_targets(target_modules, exclude_modules=(), cfg: DecoderConfig | None = None) -> tuple[str, ...]:
-    """`model.target_modules` ('all-linear' or module names) less `model.exclude_modules`, in table order.
+    """`model.target_modules` ('all-linear', None for it, or module names) less `model.exclude_modules`, in
+    table order.
 
     With `cfg` a mixture of experts, 'all-linear' is the attention projections (PEFT's nn.Linear modules on
     transformers 5's Qwen3-MoE) and an MLP name is an error."""
     known = sorted(LORA_MODULES)
     moe = cfg is not None and cfg.is_moe
+    if target_modules is None:  # model.target_modules' default: every linear layer, as veRL's
+        target_modules = "all-linear"
     if isinstance(target_modules, str):
         if target_modules != "all-linear":
             raise ConfigError(f"model.target_modules: {target_modules!r}; use 'all-linear' or a list of module names "
@@ -104,6 +107,10 @@ def check_settings(rank, alpha, target_modules, exclude_modules, adapter_path) -
             raise ConfigError(f"model.lora_adapter_path: {adapter_path!r} is not a PEFT adapter directory (no "
                               "adapter_config.json); give what PeftModel.save_pretrained or `python -m "
                               "jaxrl_llm.export` writes")
+    if not rank and (target_modules is not None or exclude_modules):
+        key = "model.target_modules" if target_modules is not None else "model.exclude_modules"
+        raise ConfigError(f"{key} is set but model.lora_rank is 0, which trains every weight (full fine-tuning); "
+                          f"set model.lora_rank (e.g. 32) to train LoRA adapters, or drop {key}")
     if rank:
         if not alpha > 0:
             raise ConfigError(f"model.lora_alpha: {alpha}; need > 0 (the adapters' scale is lora_alpha / lora_rank)")

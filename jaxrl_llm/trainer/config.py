@@ -25,21 +25,22 @@ from jaxrl_llm.trainer.router_replay import RouterReplaySettings
 class ModelConfig:
     """Where the policy comes from: a local HF dir / hub id (`path`), or a random preset (`preset`)."""
 
-    path: str | None = None
-    preset: str | None = None
-    tokenizer_path: str | None = None
-    dtype: str = "bfloat16"  # compute
-    param_dtype: str = "float32"  # master weights
+    path: str | None = None  # a local HF model directory, or a hub id (downloaded when online)
+    preset: str | None = None  # a random-init model by name ('tiny', 'qwen2p5_7b', ...: models/config.py PRESETS)
+    tokenizer_path: str | None = None  # a HF tokenizer dir (default: model.path)
+    dtype: str = "bfloat16"  # the compute dtype (and the export's default)
+    param_dtype: str = "float32"  # the master weights' dtype
     remat: str = "auto"  # "auto": "dots" when the device has the memory for it, else "full"
-    attention_impl: str = "auto"
+    attention_impl: str = "auto"  # 'auto' (cuDNN flash attention on GPUs), 'cudnn' or 'xla'
     critic_path: str | None = None  # defaults to `path` (veRL initialises the critic from the actor)
     overrides: dict | None = None  # Qwen2Config fields to change (e.g. a smaller vocab for a preset)
-    seed: int = 0
+    seed: int = 0  # seed of a preset's random init (the critic's: seed + 1) and of fresh adapters
     # LoRA (veRL's names; rank 0: full fine-tuning) on target_modules ('all-linear' or names) less exclude_modules.
     lora_rank: int = 0
-    lora_alpha: float = 16.0
-    target_modules: str | tuple[str, ...] = "all-linear"
-    exclude_modules: tuple[str, ...] = ()
+    lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank (PEFT's)
+    # None: 'all-linear' under LoRA; or names (q/k/v/o_proj, gate/up/down_proj)
+    target_modules: str | tuple[str, ...] | None = None
+    exclude_modules: tuple[str, ...] = ()  # module names to leave out of target_modules
     lora_adapter_path: str | None = None  # a PEFT adapter directory to start from
     # LoRA's frozen base in 8 bits (our name; veRL has no QLoRA): 'none', 'int8' or 'fp8' (`models/quant.py`).
     base_quantization: str = "none"
@@ -73,18 +74,26 @@ class ModelConfig:
 class DataConfig:
     """veRL's `data.*`. `source`: "files" (parquet/jsonl in veRL schema), or a demo: "arithmetic", "multiply"."""
 
-    source: str = "files"
-    train_files: tuple[str, ...] = ()
-    val_files: tuple[str, ...] = ()
+    source: str = "files"  # 'files' (parquet/jsonl in veRL's schema), or a demo task: 'arithmetic', 'multiply'
+    train_files: tuple[str, ...] = ()  # a path or a list of paths (parquet or jsonl)
+    val_files: tuple[str, ...] = ()  # the same for validation; () for none
     train_batch_size: int = 1024  # prompts per step
-    val_batch_size: int | None = None
-    max_prompt_length: int = 512
-    max_response_length: int = 1024
-    prompt_key: str = "prompt"
-    shuffle: bool = True
-    seed: int = 1
-    val_max_samples: int | None = None
+    val_batch_size: int | None = None  # validation prompts a generate call (None: all)
+    max_prompt_length: int = 512  # prompt tokens at most; longer prompts are filtered out
+    max_response_length: int = 1024  # response tokens at most (veRL's rollout.response_length)
+    prompt_key: str = "prompt"  # the column with the chat messages
+    shuffle: bool = True  # shuffle the training prompts each epoch
+    seed: int = 1  # seed of the data order and of sampling
+    val_max_samples: int | None = None  # validation prompts at most (None: all)
     arithmetic_max_operand: int = 9  # demo task only
+
+    def __post_init__(self):  # one path as a plain string, as veRL takes it ('' for none), or a list
+        for key in ("train_files", "val_files"):
+            value = getattr(self, key)
+            if isinstance(value, str):
+                object.__setattr__(self, key, (value,) if value else ())
+            elif isinstance(value, list):
+                object.__setattr__(self, key, tuple(value))
 
     def validate(self):
         _check(self.source in ("files", "arithmetic", "multiply"), "data.source", f"{self.source!r}; use 'files'")
@@ -101,17 +110,17 @@ class RolloutConfig:
     """veRL's `actor_rollout_ref.rollout.*`."""
 
     engine: str = "jax"  # "jax" (in-process sampler) or "vllm" (a pool of Ray actors)
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    n: int = 1  # responses sampled a prompt (GRPO's group size)
+    temperature: float = 1.0  # sampling temperature of the training rollouts
+    top_p: float = 1.0  # nucleus sampling (1.0: off)
+    top_k: int = -1  # top-k sampling (-1: off)
     # The JAX engine's KV memory: "paged" (a page pool under a budget, continuous batching; the default)
     # or "dense" (per-row caches; the baseline it is measured against)
     kv_cache: str = "paged"
     # Paged: the share of device memory total use may reach while generating (trainer state and engine
     # weights included); kv_cache_memory_bytes (bytes a device) overrides it
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = None  # paged: the KV pool's bytes a device (None: from gpu_memory_utilization)
     free_cache_engine: bool = True  # release the KV pool after each rollout (the update gets the memory)
     # Paged, per data-parallel shard (each is an engine of its own, as vLLM's data-parallel engine cores): rows
     # decoded together at most, and prompt tokens one prefill call processes at most
@@ -127,9 +136,9 @@ class RolloutConfig:
     decode_attention: str = "auto"
     val_temperature: float = 0.0  # validation is greedy (mean@1) unless val_n > 1
     val_n: int = 1  # responses a validation prompt (veRL's val_kwargs.n): mean@N, best@N, pass@k
-    val_top_p: float = 1.0
-    val_top_k: int = -1
-    vllm_workers: int = 1
+    val_top_p: float = 1.0  # validation's top_p (veRL's val_kwargs.top_p)
+    val_top_k: int = -1  # validation's top_k (veRL's val_kwargs.top_k)
+    vllm_workers: int = 1  # rollout.engine = 'vllm': Ray actors in the pool, one vLLM engine each
     # Where the trainer writes the vLLM pool's weights each step: '' is <run_dir>/weights; a directory
     # such as /dev/shm (a RAM disk, one host) gets a subdirectory of this run, removed at the end.
     weights_dir: str = ""
@@ -174,34 +183,35 @@ class RolloutConfig:
 class ActorConfig:
     """veRL's `actor_rollout_ref.actor.*` plus the optimizer (`optim.*`)."""
 
-    lr: float = 1e-6
-    lr_warmup_steps: int = 0
-    lr_warmup_steps_ratio: float = 0.0
+    lr: float = 1e-6  # learning rate (veRL's actor.optim.lr)
+    lr_warmup_steps: int = 0  # linear warmup from 0 over this many training steps
+    lr_warmup_steps_ratio: float = 0.0  # warmup as a share of the total steps (when lr_warmup_steps is 0)
     lr_scheduler: str = "constant"  # or "cosine"
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1
+    min_lr_ratio: float = 0.0  # cosine: the last lr as a share of lr
+    weight_decay: float = 0.01  # AdamW's decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam's (beta1, beta2)
+    grad_clip: float = 1.0  # clip the gradient's global norm to this (0: off)
+    ppo_epochs: int = 1  # passes over each step's batch
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x n responses)
     ppo_max_token_len_per_gpu: int = 16384  # token budget of one micro-batch per device
     pack_length: int | None = None  # packed row length (default: max prompt + max response, rounded)
     # Shapes the last micro-batch of a mini-batch may take (1: always the full one; k: the full one and
     # 1/2 ... 1/2^(k-1) of its rows), so a mostly empty tail does not cost a full micro-batch.
     tail_shapes: int = 3
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float = 3.0
+    clip_ratio: float = 0.2  # PPO's clip range (both sides, unless clip_ratio_low / high)
+    clip_ratio_low: float | None = None  # the range below 1 (None: clip_ratio)
+    clip_ratio_high: float | None = None  # the range above 1 (None: clip_ratio; DAPO's clip-higher uses 0.28)
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
+    # 'token-mean', 'token-sum', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm'
     loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0  # weight of the entropy bonus
+    use_kl_loss: bool = False  # add a KL loss to the reference policy (GRPO's)
+    kl_loss_coef: float = 0.001  # weight of the KL loss
+    kl_loss_type: str = "low_var_kl"  # its estimator: 'kl' (k1), 'abs', 'mse' (k2), 'low_var_kl' (k3), 'full'
     logprob_chunk_size: int = 8192  # vocab chunk of the fused logprob/entropy
     # SAPO's gate temperatures for positive / negative advantages (veRL's actor.tau_pos / tau_neg).
     tau_pos: float = 1.0
-    tau_neg: float = 1.05
+    tau_neg: float = 1.05  # SAPO's gate temperature for negative advantages
     # The constant of "seq-mean-token-sum-norm" (veRL's actor.loss_scale_factor); None: the max response length.
     loss_scale_factor: int | None = None
 
@@ -237,12 +247,13 @@ class PolicyLossSettings:
     cap) say so in `jaxrl_llm.algorithms.policy_loss`.
     """
 
+    # 'vanilla' (PPO clip), 'gspo', 'sapo', 'gpg', 'clip_cov', 'kl_cov', ... (README: Algorithms)
     loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002  # clip_cov: share of tokens whose gradient is dropped
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
+    clip_cov_lb: float = 1.0  # clip_cov: the lower end of the covariance range it picks tokens in
+    clip_cov_ub: float = 5.0  # clip_cov: the upper end
     kl_cov_ratio: float = 0.0002  # kl_cov: share of tokens that get the |log-ratio| penalty
-    ppo_kl_coef: float = 0.1
+    ppo_kl_coef: float = 0.1  # kl_cov: weight of the |log-ratio| penalty
     dro_beta: float | None = None  # dro: the quadratic log-ratio penalty (required for 'dro')
 
     def validate(self):
@@ -264,14 +275,14 @@ class PolicyLossSettings:
 class CriticConfig:
     """veRL's `critic.*` (PPO only)."""
 
-    lr: float = 1e-5
-    lr_warmup_steps: int = 0
-    lr_scheduler: str = "constant"
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
+    lr: float = 1e-5  # the critic's learning rate (veRL's critic.optim.lr)
+    lr_warmup_steps: int = 0  # linear warmup from 0 over this many training steps
+    lr_scheduler: str = "constant"  # 'constant' or 'cosine'
+    weight_decay: float = 0.01  # AdamW's decoupled weight decay
+    grad_clip: float = 1.0  # clip the gradient's global norm to this (0: off)
     ppo_epochs: int | None = None  # defaults to the actor's
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    cliprange_value: float = 0.5  # the value loss's clip range around the old values
+    loss_agg_mode: str = "token-mean"  # aggregation of the value loss (as actor.loss_agg_mode)
 
 
 @gin.configurable("algorithm")
@@ -279,19 +290,19 @@ class CriticConfig:
 class AlgoConfig:
     """veRL's `algorithm.*`."""
 
-    adv_estimator: str = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
-    kl_ctrl_type: str = "fixed"
-    kl_coef: float = 0.001
-    kl_target: float = 0.1
-    kl_horizon: int = 10000
+    adv_estimator: str = "grpo"  # 'grpo', 'gae' (PPO, with a critic), 'rloo', 'remax', ... (README: Algorithms)
+    gamma: float = 1.0  # discount factor (GAE, REINFORCE++)
+    lam: float = 1.0  # GAE's lambda
+    norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's std (False: Dr.GRPO)
+    use_kl_in_reward: bool = False  # subtract a KL penalty to the reference from the reward
+    kl_penalty: str = "kl"  # its estimator: 'kl', 'abs', 'mse', 'low_var_kl', 'full'
+    kl_ctrl_type: str = "fixed"  # 'fixed' or 'adaptive' KL coefficient (veRL's kl_ctrl.type)
+    kl_coef: float = 0.001  # the (starting) KL coefficient
+    kl_target: float = 0.1  # adaptive: the KL it steers to
+    kl_horizon: int = 10000  # adaptive: the controller's horizon
     # GDPO: the reward-function dict keys normalised one by one, and their weights (None: equal).
     gdpo_reward_keys: tuple[str, ...] | None = None
-    gdpo_reward_weights: tuple[float, ...] | None = None
+    gdpo_reward_weights: tuple[float, ...] | None = None  # one weight per gdpo_reward_keys entry (None: equal)
 
     @property
     def uses_critic(self) -> bool:
@@ -332,7 +343,7 @@ class FilterGroupsSettings:
     max_num_gen_batches: prompt batches drawn at most per step (<= 0: no limit).
     """
 
-    enable: bool = False
+    enable: bool = False  # DAPO's dynamic sampling on
     metric: str = "reward"
     max_num_gen_batches: int = 0
 
@@ -343,10 +354,10 @@ class OverlongBufferSettings:
     """veRL's `reward.reward_kwargs.overlong_buffer_cfg.*` (DAPO): a response longer than
     max_response_length - len loses up to `penalty_factor` of reward, linearly over the last `len` tokens."""
 
-    enable: bool = False
-    len: int = 0
-    penalty_factor: float = 1.0
-    log: bool = False
+    enable: bool = False  # DAPO's overlong penalty on
+    len: int = 0  # tokens of the buffer before data.max_response_length
+    penalty_factor: float = 1.0  # the most reward the penalty takes away
+    log: bool = False  # log the penalty's metrics
 
     def validate(self, max_response_length: int):
         if self.enable:
@@ -359,8 +370,8 @@ class OverlongBufferSettings:
 class RewardConfig:
     """Reward scoring: veRL's `reward_model.*` / `custom_reward_function.*` for rule-based rewards."""
 
-    custom_reward_path: str | None = None
-    custom_reward_name: str = "compute_score"
+    custom_reward_path: str | None = None  # a .py file holding your reward function
+    custom_reward_name: str = "compute_score"  # its name in that file
     num_workers: int = 0  # >0: score each step's responses in this many parallel workers
     backend: str = "auto"  # the workers: "ray", "process" (no Ray needed), "auto" (Ray when installed)
     strict: bool = False  # a raising reward function stops the run
@@ -376,19 +387,20 @@ class RewardConfig:
 class TrainerConfig:
     """veRL's `trainer.*`."""
 
-    project_name: str = "jaxrl_llm"
-    experiment_name: str = "run"
-    run_dir: str = "runs/run"
-    total_epochs: int = 1
-    total_training_steps: int | None = None
-    save_freq: int = -1  # -1: only at the end
-    max_checkpoints_to_keep: int = 2
-    test_freq: int = -1
-    val_before_train: bool = False
+    project_name: str = "jaxrl_llm"  # the wandb project
+    experiment_name: str = "run"  # the wandb run name
+    run_dir: str = "runs/run"  # metrics, TensorBoard, checkpoints and the operative config go here
+    total_epochs: int = 1  # passes over the training data (unless total_training_steps)
+    total_training_steps: int | None = None  # training steps (None: total_epochs' worth)
+    save_freq: int = 20  # a checkpoint every N steps and at the end (-1: only at the end)
+    max_checkpoints_to_keep: int = 2  # the newest checkpoints kept; older ones are deleted
+    test_freq: int = -1  # validate every N steps and at the end (-1: never)
+    val_before_train: bool = False  # validate once before the first step
     resume_mode: str = "auto"  # "auto", "disable", or a checkpoint path
+    # sinks: 'console', 'jsonl' (metrics.jsonl), 'tensorboard', 'wandb'
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     driver: str = "ray"  # "ray" or "inprocess"
-    ray_address: str | None = None
+    ray_address: str | None = None  # a Ray cluster to join ('auto'); None: start one in this process
     # Processes of the run. The Ray driver starts this many trainer processes (one Ray placement-group
     # bundle each) joined by jax.distributed; plain launches set the count with --num_processes.
     num_processes: int = 1
@@ -397,15 +409,15 @@ class TrainerConfig:
     # JAX's persistent compilation cache: a repeated or resumed run loads its programs instead of
     # compiling them. "" turns it off.
     compilation_cache_dir: str = "~/.cache/jaxrl_llm/xla"
-    mesh_data: int = 1
-    mesh_fsdp: int = -1
-    mesh_tensor: int = 1
+    mesh_data: int = 1  # the device mesh's data-parallel axis (one mesh size may be -1: the rest)
+    mesh_fsdp: int = -1  # the fully sharded data-parallel axis
+    mesh_tensor: int = 1  # the tensor-parallel axis
     mesh_expert: int = 1  # splits a MoE's experts (its devices are data-parallel elsewhere)
-    ref_offload: bool = False
-    dump_batches: bool = False
-    replay_batches_from: str | None = None
+    ref_offload: bool = False  # keep the reference model in host memory between its passes
+    dump_batches: bool = False  # save every step's training batch under <run_dir>/batches
+    replay_batches_from: str | None = None  # a dir of dumped batches to train on instead of generating
     peak_tflops: float | None = None  # per device, for perf/mfu (default: a table by device kind)
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar on stderr, when stderr is a terminal
 
     def validate(self):
         _check(self.driver in ("ray", "inprocess"), "train.driver", f"{self.driver!r}; use 'ray' or 'inprocess'")
@@ -472,16 +484,20 @@ class RunConfig:
         return -(-total // 128) * 128
 
 
+# The parts of a RunConfig: (its field, the gin name of its keys, the gin configurable that builds it).
+PARTS = (("model", "model", ModelConfig), ("data", "data", DataConfig), ("rollout", "rollout", RolloutConfig),
+         ("actor", "actor", ActorConfig), ("policy_loss", "actor.policy_loss", PolicyLossSettings),
+         ("router_replay", "actor.router_replay", RouterReplaySettings), ("critic", "critic", CriticConfig),
+         ("algo", "algorithm", AlgoConfig), ("rollout_correction", "algorithm.rollout_correction",
+                                             RolloutCorrectionSettings),
+         ("filter_groups", "algorithm.filter_groups", FilterGroupsSettings), ("reward", "reward", RewardConfig),
+         ("overlong_buffer", "reward.reward_kwargs.overlong_buffer_cfg", OverlongBufferSettings),
+         ("trainer", "train", TrainerConfig))
+
+
 def build_run_config() -> RunConfig:
     """Builds every part from its gin bindings (`actor.lr = 1e-6`, ...) and validates the whole."""
-    parts = dict(model=ModelConfig(), data=DataConfig(), rollout=RolloutConfig(), actor=ActorConfig(),
-                 critic=CriticConfig(), algo=AlgoConfig(), reward=RewardConfig(), trainer=TrainerConfig(),
-                 policy_loss=PolicyLossSettings(), rollout_correction=RolloutCorrectionSettings(),
-                 filter_groups=FilterGroupsSettings(), overlong_buffer=OverlongBufferSettings(),
-                 router_replay=RouterReplaySettings())
-    gin_names = dict(algo="algorithm", trainer="train", policy_loss="actor.policy_loss",
-                     rollout_correction="algorithm.rollout_correction", filter_groups="algorithm.filter_groups",
-                     overlong_buffer="reward.reward_kwargs.overlong_buffer_cfg", router_replay="actor.router_replay")
-    for key, part in parts.items():
-        check_types(part, gin_names.get(key, key))
+    parts = {field: make() for field, _, make in PARTS}
+    for field, name, _ in PARTS:
+        check_types(parts[field], name)
     return RunConfig(**parts).validate()

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import sys
+import time
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,40 @@ def _jsonable(v):
     return v
 
 
+def cut_metrics(path: str, step: int) -> int:
+    """Cuts `metrics.jsonl` back to `step`, the step a run starts from (0: all of it), so no step appears
+    twice once the run logs the steps after it again. The rows cut (and a last line a kill left half
+    written) move to a `metrics.set-aside-<time>.jsonl` beside it; returns how many."""
+    if not os.path.exists(path):
+        return 0
+    keep, cut = [], []
+    with open(path) as f:
+        for line in f:
+            try:
+                row_step = json.loads(line)["step"]
+                ok = line.endswith("\n") and step > 0 and row_step <= step
+            except (json.JSONDecodeError, KeyError, TypeError):
+                ok = False
+            (keep if ok else cut).append(line if line.endswith("\n") else line + "\n")
+    if cut:
+        aside = os.path.join(os.path.dirname(path), f"metrics.set-aside-{int(time.time())}.jsonl")
+        with open(aside, "w") as f:
+            f.writelines(cut)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
+        log.info("metrics.jsonl: moved %d rows after step %d to %s (the run logs those steps again)", len(cut),
+                 step, aside)
+    return len(cut)
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 class MetricsLogger:
     """Fans metrics out to the configured sinks ("console", "jsonl", "tensorboard", "wandb")."""
 
@@ -36,12 +71,19 @@ class MetricsLogger:
             raise ValueError(f"train.logger: unknown sink(s) {sorted(unknown)}; use console, jsonl, "
                              "tensorboard, wandb")
         os.makedirs(run_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if "jsonl" in self.sinks else None
+        self._jsonl = None
+        if "jsonl" in self.sinks:
+            path = os.path.join(run_dir, "metrics.jsonl")
+            cut_metrics(path, start_step)
+            self._jsonl = open(path, "a")
         self._tb = None
         if "tensorboard" in self.sinks:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            tb_dir = os.path.join(run_dir, "tensorboard")
+            # An earlier run's events past the start step: TensorBoard hides them (the steps are logged again).
+            earlier = os.path.isdir(tb_dir) and any(n.startswith("events.") for n in os.listdir(tb_dir))
+            self._tb = SummaryWriter(tb_dir, purge_step=(start_step + 1 if start_step else 0) if earlier else None)
         self._wandb = None
         if "wandb" in self.sinks:
             try:
@@ -51,7 +93,8 @@ class MetricsLogger:
             except ImportError:
                 log.warning("wandb logging requested but wandb is not installed; skipping it")
         self._bar = None
-        if progress_bar and "console" in self.sinks:
+        # A bar redraws its line with carriage returns: in a file or a pipe it garbles the step lines.
+        if progress_bar and "console" in self.sinks and _is_terminal(sys.stderr):
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,

@@ -110,7 +110,8 @@ class RLTrainer:
     def _meta(self) -> dict:
         return {"step": self.global_step, "data": self.iterator.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
-                "seed": self.run.data.seed, "model": self.model_cfg_hf, "gin": self.operative_config,
+                "seed": self.run.data.seed, "model": self.model_cfg_hf, "dtype": self.run.model.dtype,
+                "gin": self.operative_config,
                 "lora": lora_meta(self.run, lora_spec(self.run)), "jaxrl_llm": jaxrl_llm.__version__}
 
     def _resume(self) -> None:
@@ -119,9 +120,11 @@ class RLTrainer:
         directory, step = resolve_resume(self.run.trainer.resume_mode, self.run_dir)
         if directory is None:
             self.worker.call("set_aside_checkpoints")
+            log.info("train.resume_mode='disable': starting from step 0")
             return
         meta = self.worker.call("restore_checkpoint", directory, step)
         if meta is None:
+            log.info("no checkpoint in %s: starting from step 0", directory)
             return
         self.global_step = int(meta["step"])
         self.iterator.load_state_dict(meta["data"])
@@ -424,9 +427,20 @@ class RLTrainer:
         return results.metrics()
 
     # ---- the run ---------------------------------------------------------------------------------
+    def _nothing_to_train(self) -> str:
+        """The one line for a run resumed at or past its last step, naming the key that sets it."""
+        t = self.run.trainer
+        key = (f"train.total_training_steps={t.total_training_steps}" if t.total_training_steps else
+               f"train.total_epochs={t.total_epochs} ({self.iterator.steps_per_epoch} steps an epoch)")
+        return (f"nothing to train: {self.run_dir} resumed at step {self.global_step} and {key} ends the run at step "
+                f"{self.total_steps}; raise it to train on, or give a new train.run_dir (or "
+                "train.resume_mode='disable') to start over")
+
     def fit(self) -> dict[str, float]:
         t = self.run.trainer
         last: dict[str, float] = {}
+        if self.global_step >= self.total_steps and self.main:
+            log.warning(self._nothing_to_train())
         try:
             if t.val_before_train and self.val_data is not None and self.global_step == 0:
                 val = self.validate()

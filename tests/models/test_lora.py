@@ -14,13 +14,14 @@ from jaxrl_llm.models.errors import ConfigError
 from jaxrl_llm.models.lora import (
     LORA_MODULES,
     LoraSpec,
+    adapter_sites,
     check_settings,
     combine,
     init_adapters,
     merge_adapters,
     resolve_targets,
 )
-from jaxrl_llm.models.peft_io import WEIGHTS_NAME, load_peft, save_peft
+from jaxrl_llm.models.peft_io import WEIGHTS_NAME, load_peft, peft_key, save_peft
 from jaxrl_llm.models.safetensors_io import SafetensorsFile
 from tests.hf_models import make_hf_model
 
@@ -90,6 +91,35 @@ def test_peft_loads_our_adapters_and_computes_our_logits(tmp_path, family, targe
         load_peft(str(tmp_path / "adapter"), cfg, LoraSpec(rank=4, alpha=8.0, targets=other))
 
 
+def test_adapter_gradients_equal_pefts(tmp_path):
+    """The trainer's update sees PEFT's gradients: d(sum of weighted logits)/d(lora_A, lora_B) through our model
+    equals torch autograd through PeftModel (scale alpha / r, no dropout, the base frozen), module by module."""
+    hf = make_hf_model(tmp_path / "base", family="qwen2")
+    cfg = DecoderConfig.from_hf(tmp_path / "base")
+    spec = LoraSpec(rank=4, alpha=8.0, targets=resolve_targets("all-linear"))
+    base = load_params(str(tmp_path / "base"), cfg)
+    adapters = _random_adapters(cfg, spec)
+    save_peft(adapters, spec, tmp_path / "adapter", cfg, base_model=str(tmp_path / "base"))
+    weights = np.random.default_rng(0).normal(size=(*IDS.shape, cfg.vocab_size)).astype(np.float32)
+
+    model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True).eval()
+    (model(torch.from_numpy(IDS).long()).logits * torch.from_numpy(weights)).sum().backward()
+    theirs = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+    gd, _ = graphdef_and_abstract_params(spec.apply(cfg))
+    ours = jax.grad(lambda a: jnp.sum(nnx.merge(gd, combine(base, a))(jnp.asarray(IDS)) * weights))(adapters)
+
+    assert len(theirs) == 2 * len(spec.targets) * cfg.num_hidden_layers  # only the adapters get gradients
+    for stack, name, path in adapter_sites(cfg, spec):
+        node = ours
+        for k in path:
+            node = node[k]
+        for leaf in ("lora_a", "lora_b"):
+            for slot, layer in enumerate(cfg.layer_stacks[stack]):
+                want = theirs[peft_key(name, layer, leaf).replace(".weight", ".default.weight")]
+                got = np.asarray(node[leaf][slot]).T
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=name)
+
+
 @pytest.mark.parametrize("args,match", [
     ((-1, 16, "all-linear", (), None), r"model.lora_rank: -1; use 0"),
     ((8, 16, ("q_proj", "qproj"), (), None), r"model.target_modules: unknown module name\(s\) \['qproj'\]"),
@@ -99,6 +129,10 @@ def test_peft_loads_our_adapters_and_computes_our_logits(tmp_path, family, targe
     ((8, 0, "all-linear", (), None), "model.lora_alpha: 0; need > 0"),
     ((0, 16, "all-linear", (), "/nonexistent"), "model.lora_adapter_path: an adapter needs LoRA on"),
     ((8, 16, "all-linear", (), "/nonexistent"), "model.lora_adapter_path: '/nonexistent' is not a PEFT adapter"),
+    ((0, 16, ("q_proj",), (), None), r"model.target_modules is set but model.lora_rank is 0, which trains every "
+                                      r"weight \(full fine-tuning\); set model.lora_rank"),
+    ((0, 16, "all-linear", (), None), "model.target_modules is set but model.lora_rank is 0"),
+    ((0, 16, None, ("q_proj",), None), "model.exclude_modules is set but model.lora_rank is 0"),
 ])
 def test_bad_lora_settings_fail_with_one_error_naming_the_key(args, match):
     with pytest.raises(ConfigError, match=match):

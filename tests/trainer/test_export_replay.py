@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from safetensors import safe_open
 
 from jaxrl_llm.export import load_checkpoint_params
 from jaxrl_llm.models import graphdef_and_abstract_params
@@ -24,11 +25,26 @@ def dumped_run(tmp_path_factory):
     return d
 
 
+def _dtypes(path) -> set:
+    with safe_open(str(path), "pt") as f:
+        return {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def _export(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxrl_llm.export", *map(str, args)], cwd=runs.REPO,
+                          capture_output=True, text=True)
+
+
 def test_export_roundtrip_logits_equal_checkpointed_params(dumped_run, tmp_path):
+    """The export keeps the run's dtype (the demo's float32) unless --dtype says otherwise, says which it wrote,
+    and prints no Orbax warnings about opening the checkpoint read-only."""
     out_dir = tmp_path / "hf"
-    res = subprocess.run([sys.executable, "-m", "jaxrl_llm.export", "--checkpoint", str(dumped_run), "--out",
-                          str(out_dir), "--dtype", "float32"], cwd=runs.REPO, capture_output=True, text=True)
+    res = _export("--checkpoint", dumped_run, "--out", out_dir)
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "float32 tensors: the run's model.dtype; --dtype to change" in res.stderr
+    assert "WARNING" not in res.stderr and "read only" not in res.stderr, res.stderr
+    assert _dtypes(out_dir / "model.safetensors") == {torch.float32}
+    assert json.loads((out_dir / "config.json").read_text())["torch_dtype"] == "float32"
     step, params, cfg, _ = load_checkpoint_params(str(dumped_run))
     assert step == 3
     graphdef, _ = graphdef_and_abstract_params(cfg)
@@ -43,6 +59,13 @@ def test_export_roundtrip_logits_equal_checkpointed_params(dumped_run, tmp_path)
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(out_dir)
     assert tok.decode(tok("#### 7")["input_ids"]) == "#### 7"
     assert json.loads((out_dir / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_export_to_another_dtype_says_so(dumped_run, tmp_path):
+    res = _export("--checkpoint", dumped_run, "--out", tmp_path / "bf16", "--dtype", "bfloat16")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "bfloat16 tensors: the run's model.dtype was float32" in res.stderr
+    assert _dtypes(tmp_path / "bf16" / "model.safetensors") == {torch.bfloat16}
 
 
 def test_export_errors_are_one_line(tmp_path):

@@ -1,6 +1,7 @@
 """Runs die; nothing may be lost. SIGKILL the tiny run at 5 points and resume: every later step's
 metrics equal an uninterrupted run's, bit for bit on CPU. A corrupted latest checkpoint is skipped."""
 
+import json
 import os
 import subprocess
 
@@ -54,7 +55,11 @@ def test_resume_disable_starts_fresh(tmp_path):
     assert runs.run(d, "train.save_freq=1", steps=2).returncode == 0
     out = runs.run(d, "train.save_freq=1", "train.resume_mode='disable'", steps=2)
     assert out.returncode == 0 and "resumed from" not in out.stderr
-    assert [r["step"] for r in runs.metrics(d)] == [1, 2, 1, 2]
+    assert "train.resume_mode='disable': starting from step 0" in out.stderr
+    # The new run's steps only; the earlier run's rows are set aside beside it (as its checkpoints are).
+    assert [r["step"] for r in runs.metrics(d)] == [1, 2]
+    (aside,) = d.glob("metrics.set-aside-*.jsonl")
+    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == [1, 2]
 
 
 def test_explicit_checkpoint_path(tmp_path, reference):

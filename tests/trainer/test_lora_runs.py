@@ -3,6 +3,9 @@ the reference), the engine decodes with them, a killed run resumes exactly, the 
 directory (or with --merge a full HF one) and `model.lora_adapter_path` starts a run from it."""
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -122,3 +125,36 @@ def test_a_lora_critic_exports_as_a_peft_adapter_with_its_head_or_merged(tmp_pat
     exported = nnx.merge(base_gd, load_params(str(merged_dir), cfg, critic=True))(ids)
     ours = nnx.merge(critic.graphdef, critic.params())(ids)
     np.testing.assert_allclose(np.asarray(exported), np.asarray(ours), atol=1e-5, rtol=0)
+
+
+def test_the_peft_export_of_a_preset_run_loads_offline_with_auto_peft(tmp_path):
+    """A run on a random preset has no base on disk or on the hub: the export writes it beside the adapter
+    (`base/`, named by its absolute path), so AutoPeftModelForCausalLM loads the pair offline, from any working
+    directory, and computes the run's logits."""
+    run_dir, peft_dir = tmp_path / "run", tmp_path / "peft"
+    out = runs.run(run_dir, *LORA, steps=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert export_main(["--checkpoint", str(run_dir), "--out", str(peft_dir)]) == 0
+    conf = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == str(peft_dir / "base")
+    assert (peft_dir / "base" / "config.json").exists() and (peft_dir / "tokenizer.json").exists()
+
+    ids = [[2, 5, 3, 7, 9, 4], [3, 12, 4, 13, 14, 9]]
+    script = ("import json, sys, torch\n"
+              "from peft import AutoPeftModelForCausalLM\n"
+              "m = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+              "with torch.no_grad():\n"
+              f"    print(json.dumps(m(torch.tensor({ids})).logits.tolist()))\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    res = subprocess.run([sys.executable, "-c", script, str(peft_dir)], cwd=elsewhere, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                            "TRANSFORMERS_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    theirs = np.array(json.loads(res.stdout.strip().splitlines()[-1]))
+
+    step, adapters, cfg, _ = load_checkpoint_params(str(run_dir))
+    lora_gd, _ = graphdef_and_abstract_params(cfg.replace(lora_rank=4, lora_alpha=8.0,
+                                                          lora_targets=tuple(conf["target_modules"])))
+    ours = np.asarray(nnx.merge(lora_gd, combine(init_params(cfg, seed=0), adapters))(jnp.asarray(ids)))
+    assert np.max(np.abs(theirs - ours)) / np.max(np.abs(ours)) <= 1e-5
