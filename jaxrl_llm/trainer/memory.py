@@ -15,13 +15,18 @@ with a margin, else "full". The estimate counts, per device:
              the worker drops them for the update and the sync rebuilds them); an 8-bit base is dequantized
              into the engine's copy, which stays in the compute dtype
   saved      per token and layer: the layer input ("full"), or every matmul output and the attention's
-             output and statistics ("dots")
+             output and statistics ("dots"); under LoRA "dots" also keeps each adapter's two matmul outputs,
+             x·A [r] and (x·A)·B [out]: at 7B with rank 32 on every linear layer that is 2.8 MB a token, as much
+             again as the base's own matmuls (issue 32: left out, it made `auto` take "dots" for the 7B LoRA
+             step on one H100, whose update then asked XLA for 84.8 GiB)
   working    one layer's recomputed activations and the vocab-chunked log-prob's [tokens, chunk] logits
 """
 
 from __future__ import annotations
 
 import logging
+
+import jax
 
 from jaxrl_llm.models import quant
 from jaxrl_llm.models.config import Qwen2Config
@@ -37,22 +42,36 @@ def _param_count(cfg: Qwen2Config) -> int:
     return cfg.num_params()
 
 
-def saved_bytes_per_token(cfg: Qwen2Config, remat: str, act_bytes: int = 2) -> int:
-    """Activations kept for the backward pass, per token, over all layers."""
+def saved_bytes_per_token(cfg: Qwen2Config, remat: str, act_bytes: int = 2, lora_outputs: int = 0) -> int:
+    """Activations kept for the backward pass, per token, over all layers. `lora_outputs`: the adapters'
+    matmul outputs a token has over all layers (`lora_outputs_per_token`), which "dots" keeps too."""
     d, f, layers = cfg.hidden_size, cfg.active_intermediate_size, cfg.num_hidden_layers
     if remat == "full":
-        per_layer = d
-    else:  # "dots" (and "none", which keeps at least as much): the matmul outputs, the attention's
-        # output and its fp32 softmax statistics (one a head)
-        per_layer = cfg.q_dim + 2 * cfg.kv_dim + d + 2 * f + d + cfg.q_dim + 2 * cfg.num_attention_heads
-    return per_layer * layers * act_bytes
+        return d * layers * act_bytes
+    # "dots" (and "none", which keeps at least as much): the matmul outputs, the attention's output and its
+    # fp32 softmax statistics (one a head)
+    per_layer = cfg.q_dim + 2 * cfg.kv_dim + d + 2 * f + d + cfg.q_dim + 2 * cfg.num_attention_heads
+    return (per_layer * layers + lora_outputs) * act_bytes
+
+
+def lora_outputs_per_token(cfg: Qwen2Config, spec) -> int:
+    """Values the adapters of `spec` compute for one token over all layers: x·A [r] and (x·A)·B [out] of
+    every adapted module (0 without LoRA)."""
+    from jaxrl_llm.models.lora import adapter_shapes
+
+    if spec is None:
+        return 0
+    return sum(b.shape[0] * (b.shape[1] + b.shape[2]) for path, b in
+               jax.tree_util.tree_leaves_with_path(adapter_shapes(cfg, spec)) if path[-1].key == "lora_b")
 
 
 def estimate_step_bytes(cfg: Qwen2Config, *, remat: str, tokens_per_device: int, param_shards: int,
                         tensor: int = 1, ref: bool = True, critic: bool = False, engine: bool = True,
-                        logprob_chunk: int = 8192, lora_params: int = 0, base_quantization: str = "none") -> float:
+                        logprob_chunk: int = 8192, lora_params: int = 0, base_quantization: str = "none",
+                        lora_outputs: int = 0) -> float:
     """Estimated peak bytes a device holds during the actor update. `lora_params` > 0: a LoRA run with that
-    many adapter params (per model), its frozen base held as `base_quantization` says."""
+    many adapter params (per model), its frozen base held as `base_quantization` says, and `lora_outputs`
+    adapter matmul outputs a token (`lora_outputs_per_token`)."""
     n = _param_count(cfg)
     total = model_state_bytes(cfg, lora_params, base_quantization) / param_shards
     if ref and not lora_params:
@@ -61,7 +80,7 @@ def estimate_step_bytes(cfg: Qwen2Config, *, remat: str, tokens_per_device: int,
         total += model_state_bytes(cfg, lora_params, base_quantization) / param_shards
     if engine:
         total += 2.0 * n / tensor
-    total += saved_bytes_per_token(cfg, remat) * tokens_per_device
+    total += saved_bytes_per_token(cfg, remat, lora_outputs=lora_outputs) * tokens_per_device
     # One layer's recomputed activations (a few [tokens, F] buffers) and the chunked logits in fp32.
     total += tokens_per_device * (4 * cfg.active_intermediate_size * 2 + logprob_chunk * 4)
     return total
@@ -114,13 +133,14 @@ def device_memory_bytes() -> int | None:
 
 def choose_remat(cfg: Qwen2Config, *, tokens_per_device: int, param_shards: int, tensor: int = 1,
                  ref: bool = True, critic: bool = False, engine: bool = True,
-                 device_bytes: int | None = None, lora_params: int = 0, base_quantization: str = "none") -> str:
+                 device_bytes: int | None = None, lora_params: int = 0, base_quantization: str = "none",
+                 lora_outputs: int = 0) -> str:
     """"dots" when the step fits the device with it, else "full" (also when the device size is unknown)."""
     if device_bytes is None:
         return "full"
     need = estimate_step_bytes(cfg, remat="dots", tokens_per_device=tokens_per_device, param_shards=param_shards,
                                tensor=tensor, ref=ref, critic=critic, engine=engine, lora_params=lora_params,
-                               base_quantization=base_quantization)
+                               base_quantization=base_quantization, lora_outputs=lora_outputs)
     choice = "dots" if need <= MARGIN * device_bytes else "full"
     log.info("model.remat='auto': %s (dots would need ~%.1f GB of the device's %.1f GB)", choice, need / 1e9,
              device_bytes / 1e9)
@@ -140,4 +160,4 @@ def plan(run, cfg: Qwen2Config, mesh_shape, lora) -> str:
               engine=jax_engine and not run.rollout.free_cache_engine, device_bytes=device_memory_bytes(),
               lora_params=num_adapter_params(cfg, lora), base_quantization=run.model.base_quantization)
     check_fits(cfg, jax_engine=jax_engine, merged_params=adapted_kernel_params(cfg, lora), **kw)
-    return choose_remat(cfg, **kw)
+    return choose_remat(cfg, **kw, lora_outputs=lora_outputs_per_token(cfg, lora))
