@@ -395,6 +395,9 @@ class TrainerConfig:
     mesh_tensor: int = 1
     mesh_expert: int = 1  # splits a MoE's experts (its devices are data-parallel elsewhere)
     ref_offload: bool = False
+    # The bytes a device may hold, for the memory check before the first step (trainer/memory_check.py).
+    # None: what XLA may use on the device (a CPU says nothing: no check there); set it to check on a CPU.
+    device_memory_limit_bytes: int | None = None
     dump_batches: bool = False
     replay_batches_from: str | None = None
     peak_tflops: float | None = None  # per device, for perf/mfu (default: a table by device kind)
@@ -407,6 +410,8 @@ class TrainerConfig:
                f"{self.devices_per_process}; need >= 1 (or None)")
         _check(self.heartbeat_timeout_s >= 5, "train.heartbeat_timeout_s", f"{self.heartbeat_timeout_s}; need >= 5")
         _check(self.total_epochs >= 1, "train.total_epochs", "must be >= 1")
+        _check(self.device_memory_limit_bytes is None or self.device_memory_limit_bytes > 0,
+               "train.device_memory_limit_bytes", f"{self.device_memory_limit_bytes}; need > 0 (or None: the device's)")
         sinks = ("console", "jsonl", "tensorboard", "wandb")
         unknown = [s for s in self.logger if s not in sinks]
         _check(not unknown, "train.logger", f"unknown sink(s) {unknown}; use {sinks}")
