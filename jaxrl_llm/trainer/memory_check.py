@@ -117,10 +117,13 @@ def plan(run, cfg, build, *, auto_remat: bool = True) -> MemoryPlan:
     remats = [cfg.remat]
     if auto_remat and memory.first_pass_remat(run, cfg, w.mesh.shape, w.lora, limit) == "dots":
         remats = ["dots", "full"]
+    progs = StepPrograms(w, limit)
+    # What stays resident alone (exact from the states' shapes): refused here without compiling anything.
+    require(ProgramMemory("trainer's resident state", "", progs.held("forward")), limit, progs.fixes("optimizer"))
     for remat in remats:  # the first whose updates fit (the last one is checked below)
         if w.cfg.remat != remat:
             w = build(run, cfg.replace(remat=remat))
-        progs = StepPrograms(w, limit)
+            progs = StepPrograms(w, limit)
         updates = progs.updates()
         if remat == remats[-1] or fits(updates, AUTO_SHARE * limit):
             break

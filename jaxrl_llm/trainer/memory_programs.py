@@ -55,9 +55,10 @@ class ProgramMemory:
                (self.engine, "the engine's (weights, smallest KV pool, program)")]
         parts = [f"{sum(self.held.values()) / GB:.1f} held ({held})"]
         parts += [f"{v / GB:.1f} {what}" for v, what in own if v]
-        detail = f"; {self.detail}" if self.detail else ""
-        return f"the {self.name} (jit '{self.jit_name}'{detail}) needs {self.need / GB:.1f} GB a device: " + \
-            ", ".join(parts)
+        about = [f"jit '{self.jit_name}'"] if self.jit_name else []
+        about += [self.detail] if self.detail else []
+        about = f" ({'; '.join(about)})" if about else ""
+        return f"the {self.name}{about} needs {self.need / GB:.1f} GB a device: " + ", ".join(parts)
 
     def row(self) -> dict:
         gb = lambda v: round(v / GB, 3)

@@ -163,3 +163,16 @@ def test_the_cli_fails_before_the_first_step_with_one_line(tmp_path):
     assert lines[0].startswith("error: DeviceMemoryError: device memory: the actor update (jit 'step'")
     assert "train.mesh_fsdp" in lines[0]
     assert not runs.metrics(tmp_path / "run")
+
+
+def test_resident_state_past_the_limit_is_refused_without_compiling(monkeypatch):
+    import jaxrl_llm.trainer.memory_programs as programs
+
+    def no_compiling(*a, **k):
+        raise AssertionError("resident state past the limit needs no compile")
+
+    monkeypatch.setattr(programs, "compiled_memory", no_compiling)
+    run = _run(100_000, "model.remat='full'")
+    with pytest.raises(DeviceMemoryError, match=r"the trainer's resident state needs .* held \(actor optimizer .*"
+                                                r"train adapters"):
+        memory_check.plan(run, model_config(run), _build)
