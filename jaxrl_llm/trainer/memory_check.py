@@ -44,7 +44,7 @@ import time
 from jaxrl_llm import distributed
 from jaxrl_llm.errors import DeviceMemoryError
 from jaxrl_llm.trainer import memory
-from jaxrl_llm.trainer.memory_programs import ProgramMemory, StepPrograms
+from jaxrl_llm.trainer.memory_programs import ProgramMemory, StepPrograms, size
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +76,11 @@ class MemoryPlan:
 
     def table(self) -> str:
         """The compiled programs, one line each (logged at the start of a run)."""
-        lines = [f"memory check, {self.limit / GB:.1f} GB a device:"]
+        lines = [f"memory check, {size(self.limit)} a device:"]
         for p in self.programs:
-            lines.append(f"  {p.name:<26} {p.need / GB:7.1f} GB  (held {sum(p.held.values()) / GB:.1f}, inputs "
-                         f"{p.inputs / GB:.1f}, outputs {p.outputs / GB:.1f}, temporaries {p.temp / GB:.1f}"
-                         f"{f', engine {p.engine / GB:.1f}' if p.engine else ''})")
+            lines.append(f"  {p.name:<26} {size(p.need):>9}  (held {size(sum(p.held.values()))}, inputs "
+                         f"{size(p.inputs)}, outputs {size(p.outputs)}, temporaries {size(p.temp)}"
+                         f"{f', engine {size(p.engine)}' if p.engine else ''})")
         return "\n".join(lines)
 
     def rows(self) -> list[dict]:
@@ -166,6 +166,6 @@ def require(program: ProgramMemory, limit: int, fixes: list[str]) -> None:
     if program.need <= FIT_SHARE * limit:
         return
     raise DeviceMemoryError(
-        f"device memory: {program.describe()}; the check allows {FIT_SHARE:.0%} of the {limit / GB:.1f} GB a "
+        f"device memory: {program.describe()}; the check allows {FIT_SHARE:.0%} of the {size(limit)} a "
         f"device may use (train.device_memory_limit_bytes, else XLA's limit on the device). To fit it: "
         f"{'; '.join(fixes)}")

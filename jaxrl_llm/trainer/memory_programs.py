@@ -49,22 +49,27 @@ class ProgramMemory:
         return sum(self.held.values()) + self.inputs + self.outputs + self.temp + self.engine
 
     def describe(self) -> str:
+        total = sum(self.held.values())
         top = sorted(self.held.items(), key=lambda kv: -kv[1])
-        held = ", ".join(f"{k} {v / GB:.1f}" for k, v in top if v >= 0.05 * GB) or "nothing"
+        held = ", ".join(f"{k} {size(v)}" for k, v in top if v >= 0.05 * total) or "nothing"
         own = [(self.inputs, "inputs"), (self.outputs, "new outputs"), (self.temp, "XLA temporaries"),
                (self.engine, "the engine's (weights, smallest KV pool, program)")]
-        parts = [f"{sum(self.held.values()) / GB:.1f} held ({held})"]
-        parts += [f"{v / GB:.1f} {what}" for v, what in own if v]
+        parts = [f"{size(total)} held ({held})"] + [f"{size(v)} {what}" for v, what in own if v]
         about = [f"jit '{self.jit_name}'"] if self.jit_name else []
         about += [self.detail] if self.detail else []
         about = f" ({'; '.join(about)})" if about else ""
-        return f"the {self.name}{about} needs {self.need / GB:.1f} GB a device: " + ", ".join(parts)
+        return f"the {self.name}{about} needs {size(self.need)} a device: " + ", ".join(parts)
 
     def row(self) -> dict:
         gb = lambda v: round(v / GB, 3)
         return {"program": self.name, "jit": self.jit_name, "detail": self.detail, "need_gb": gb(self.need),
                 "held_gb": gb(sum(self.held.values())), "inputs_gb": gb(self.inputs),
                 "outputs_gb": gb(self.outputs), "temp_gb": gb(self.temp), "engine_gb": gb(self.engine)}
+
+
+def size(nbytes: float) -> str:
+    """Bytes as GB (MB below one GB)."""
+    return f"{nbytes / GB:.1f} GB" if nbytes >= GB else f"{nbytes / 1e6:.1f} MB"
 
 
 def device_bytes(tree) -> int:

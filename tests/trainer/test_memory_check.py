@@ -10,7 +10,7 @@ from jaxrl_llm.errors import DeviceMemoryError
 from jaxrl_llm.trainer import memory_check
 from jaxrl_llm.trainer import worker as worker_module
 from jaxrl_llm.trainer.memory_check import AUTO_SHARE, FIT_SHARE, MemoryPlan, ProgramMemory
-from jaxrl_llm.trainer.memory_programs import StepPrograms, device_bytes
+from jaxrl_llm.trainer.memory_programs import StepPrograms, device_bytes, size
 from jaxrl_llm.trainer.model_load import model_config
 from jaxrl_llm.trainer.worker import TrainerWorker
 from tests.trainer import runs
@@ -44,8 +44,8 @@ def test_a_refused_update_names_the_program_its_sizes_and_the_keys_before_loadin
         TrainerWorker(_run(limit, "model.remat='full'"), total_steps=2)
     msg = str(e.value)
     assert msg.startswith(f"device memory: the actor update (jit 'step'; remat 'full', 32 rows of 128 tokens) "
-                          f"needs {need / 1e9:.1f} GB a device")
-    assert "XLA temporaries" in msg and f"{FIT_SHARE:.0%} of the {limit / 1e9:.1f} GB" in msg
+                          f"needs {size(need)} a device")
+    assert "XLA temporaries" in msg and f"{FIT_SHARE:.0%} of the {size(limit)} a device" in msg
     for key in ("actor.ppo_max_token_len_per_gpu (now 4096; about", "model.lora_rank > 0", "train.mesh_fsdp = 1"):
         assert key in msg
     suggested = int(msg.split("about ")[1].split(" would fit")[0])
@@ -143,9 +143,9 @@ def test_the_engine_report_is_checked_beside_the_trainers_resident_state():
     plan = MemoryPlan(run=None, cfg=None, limit=40 * 10**9, generation_held=held,
                       generation_fixes=["fewer rows or prompt tokens at once (rollout.max_num_seqs, ...)"])
     plan.check_engine(_Engine([("prefill[8192]", 20 * 10**9), ("decode[256]", 25 * 10**9)]))  # 13 + 25 = 38 fits
-    with pytest.raises(DeviceMemoryError, match=r"the generation program decode\[1024\] \(jit 'decode\[1024\]'\) "
-                                                r"needs 41\.0 GB a device: 13\.0 held \(frozen base 10\.0, actor "
-                                                r"params 3\.0\), 28\.0 the engine's .*rollout.max_num_seqs"):
+    expected = (r"the generation program decode\[1024\] \(jit 'decode\[1024\]'\) needs 41\.0 GB a device: 13\.0 GB "
+                r"held \(frozen base 10\.0 GB, actor params 3\.0 GB\), 28\.0 GB the engine's .*rollout.max_num_seqs")
+    with pytest.raises(DeviceMemoryError, match=expected):
         plan.check_engine(_Engine([("decode[1024]", 28 * 10**9)]))
     plan.check_engine(object())  # an engine without a report is not checked here
     MemoryPlan(run=None, cfg=None, limit=None).check_engine(_Engine([("decode", 10**15)]))  # no limit: no check
