@@ -117,13 +117,15 @@ def plan(run, cfg, build, *, auto_remat: bool = True) -> MemoryPlan:
     remats = [cfg.remat]
     if auto_remat and memory.first_pass_remat(run, cfg, w.mesh.shape, w.lora, limit) == "dots":
         remats = ["dots", "full"]
-    progs = StepPrograms(w, limit)
+    built = {cfg.remat: StepPrograms(w, limit)}  # by remat: a candidate's abstract worker is built once
+    progs = built[cfg.remat]
     # What stays resident alone (exact from the states' shapes): refused here without compiling anything.
     require(ProgramMemory("trainer's resident state", "", progs.held("forward")), limit, progs.fixes("optimizer"))
     for remat in remats:  # the first whose updates fit (the last one is checked below)
-        if w.cfg.remat != remat:
-            w = build(run, cfg.replace(remat=remat))
-            progs = StepPrograms(w, limit)
+        if remat not in built:
+            built[remat] = StepPrograms(build(run, cfg.replace(remat=remat)), limit)
+        progs = built[remat]
+        w = progs.w
         updates = progs.updates()
         if remat == remats[-1] or fits(updates, AUTO_SHARE * limit):
             break

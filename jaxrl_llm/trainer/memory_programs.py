@@ -54,7 +54,7 @@ class ProgramMemory:
         held = ", ".join(f"{k} {size(v)}" for k, v in top if v >= 0.05 * total) or "nothing"
         own = [(self.inputs, "inputs"), (self.outputs, "new outputs"), (self.temp, "XLA temporaries"),
                (self.engine, "the engine's (weights, smallest KV pool, program)")]
-        parts = [f"{size(total)} held ({held})"] + [f"{size(v)} {what}" for v, what in own if v]
+        parts = [f"{size(total)} held ({held})"] + [f"{size(v)} {what}" for v, what in own if v >= 1e-3 * self.need]
         about = [f"jit '{self.jit_name}'"] if self.jit_name else []
         about += [self.detail] if self.detail else []
         about = f" ({'; '.join(about)})" if about else ""
