@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 32 on one GPU (nvidia-h100-x1; the H200 the same), in calls of under 10 minutes each. Run from the repo
 # root with .whl and .bench_data carried; results land in $OUT.
-#   check       scripts/gpu_check.py, its default configs while 570 s last (7B LoRA step, 1.5B step, MoE
+#   check       scripts/gpu_check.py, its default configs while 540 s last (7B LoRA step, 1.5B step, MoE
 #               update, Qwen3-1.7B step, Qwen3-8B generation); the ones left are reported "not run"
 #   check_rest  CONFIGS (default: the last two) alone, for a second call; `gpu_check.py --merge` joins the two
 #   matrix      the memory section (the memory check's verdict, before any work) for MATRIX_PRESETS x full/LoRA
@@ -13,11 +13,11 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 CACHE=/tmp/issue32_xla_cache  # one persistent compilation cache for every call on this warm machine
 case "${1:?phase}" in
   check)
-    python3 scripts/gpu_check.py --budget_s "${BUDGET_S:-570}" --compile_cache "$CACHE" ${RECORD:+--record} \
+    python3 scripts/gpu_check.py --budget_s "${BUDGET_S:-540}" --compile_cache "$CACHE" ${RECORD:+--record} \
       2>&1 | tee "$OUT/gpu_check.log" | grep -E '^gpu_check|"report"' | cut -c1-400
     ;;
   check_rest)
-    python3 scripts/gpu_check.py --configs "${CONFIGS:-e2e_qwen3_1p7b,gen_qwen3_8b}" --budget_s "${BUDGET_S:-570}" \
+    python3 scripts/gpu_check.py --configs "${CONFIGS:-e2e_qwen3_1p7b,gen_qwen3_8b}" --budget_s "${BUDGET_S:-540}" \
       --compile_cache "$CACHE" ${RECORD:+--record} 2>&1 | tee "$OUT/gpu_check_rest.log" \
       | grep -E '^gpu_check|"report"' | cut -c1-400
     ;;
