@@ -7,8 +7,8 @@ rebuild a HF directory through the family's HF table (`jaxrl_llm.models.write_hf
 The tensors are written without compression and read back as host numpy arrays. Orbax compresses
 with zstd by default; on the trainer's bf16 weights that saves ~20% of the bytes and costs more time
 than it saves (a 3 GB tree on 2 CPU cores: 6.3 s save and 7.5 s restore with zstd and restore to jax
-CPU arrays, 1.5 s and 1.8 s without compression and restored as numpy; `scripts/bench.py --sections
-sync` measures the 7B tree on a GPU host).
+CPU arrays, 1.5 s and 1.8 s without compression and restored as numpy; `python -m jaxrl_llm.bench
+--sections sync` measures the 7B tree on a GPU host).
 """
 
 from __future__ import annotations

@@ -5,6 +5,6 @@
 source "$(dirname "$0")/common.sh"
 N=$(nvidia-smi -L | wc -l)
 ARGS="--sections e2e --train_presets ${PRESET:-qwen2p5_1p5b} --remat auto --token_budget 16384 --compile_cache /tmp/cc"
-run single_cold "${T1:-200}" python3 scripts/bench.py $ARGS --steps 3
-run multi "${T2:-200}" python3 -m jaxrl_llm.launch --num_processes "$N" --gpus_per_process 1 --module scripts.bench -- $ARGS --steps 3
-run single_warm "${T3:-110}" python3 scripts/bench.py $ARGS --steps 2
+run single_cold "${T1:-200}" python3 -m jaxrl_llm.bench $ARGS --steps 3
+run multi "${T2:-200}" python3 -m jaxrl_llm.launch --num_processes "$N" --gpus_per_process 1 --module jaxrl_llm.bench -- $ARGS --steps 3
+run single_warm "${T3:-110}" python3 -m jaxrl_llm.bench $ARGS --steps 2

@@ -9,10 +9,10 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 E2E="--sections e2e --remat auto --token_budget 16384 --steps ${STEPS:-2}"
 case "${1:?phase}" in
   e2e7b)
-    run e2e_7b_lora32 "${T1:-560}" python3 scripts/bench.py $E2E --train_presets qwen2p5_7b --lora_rank 32
+    run e2e_7b_lora32 "${T1:-560}" python3 -m jaxrl_llm.bench $E2E --train_presets qwen2p5_7b --lora_rank 32
     ;;
   e2e1p5b)
-    run e2e_1p5b_full "${T1:-280}" python3 scripts/bench.py $E2E --train_presets qwen2p5_1p5b
-    run e2e_1p5b_lora32 "${T2:-280}" python3 scripts/bench.py $E2E --train_presets qwen2p5_1p5b --lora_rank 32
+    run e2e_1p5b_full "${T1:-280}" python3 -m jaxrl_llm.bench $E2E --train_presets qwen2p5_1p5b
+    run e2e_1p5b_lora32 "${T2:-280}" python3 -m jaxrl_llm.bench $E2E --train_presets qwen2p5_1p5b --lora_rank 32
     ;;
 esac

@@ -29,17 +29,17 @@ PY
       echo "rc=$?"; grep -E "check|Error" "$OUT/check.log" | cut -c1-300 ;;
     grouped)
       for tok in 2048 16384; do
-        timeout 150 python3 scripts/bench_moe.py --sections grouped --tokens $tok --out "$OUT/moe.jsonl" > "$OUT/grouped_$tok.log" 2>&1
-        echo "rc=$?"; grep -E '"grouped"|Error' "$OUT/grouped_$tok.log" | cut -c1-300
+        timeout 150 python3 -m jaxrl_llm.bench --sections moe_grouped --tokens $tok --out "$OUT/moe_grouped_$tok" > "$OUT/grouped_$tok.log" 2>&1
+        echo "rc=$?"; grep -E '"moe_grouped"|Error' "$OUT/grouped_$tok.log" | cut -c1-300
       done
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" timeout 120 python3 scripts/bench_moe.py \
-        --sections grouped --tokens 2048 --out "$OUT/moe_cudnn_flag.jsonl" > "$OUT/grouped_cudnn_flag.log" 2>&1
-      echo "cudnn flag rc=$?"; grep -E '"grouped"|Error|Unknown' "$OUT/grouped_cudnn_flag.log" | cut -c1-300 ;;
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" timeout 120 python3 -m jaxrl_llm.bench \
+        --sections moe_grouped --tokens 2048 --out "$OUT/moe_cudnn_flag" > "$OUT/grouped_cudnn_flag.log" 2>&1
+      echo "cudnn flag rc=$?"; grep -E '"moe_grouped"|Error|Unknown' "$OUT/grouped_cudnn_flag.log" | cut -c1-300 ;;
     update)
-      timeout 240 python3 scripts/bench_moe.py --sections update --out "$OUT/moe.jsonl" > "$OUT/update.log" 2>&1
-      echo "rc=$?"; grep -E '"update"|Error' "$OUT/update.log" | cut -c1-400 ;;
+      timeout 240 python3 -m jaxrl_llm.bench --sections moe_update --out "$OUT/moe_update" > "$OUT/update.log" 2>&1
+      echo "rc=$?"; grep -E '"moe_update"|Error' "$OUT/update.log" | cut -c1-400 ;;
     decode)
-      timeout 200 python3 scripts/bench_moe.py --sections decode --out "$OUT/moe.jsonl" > "$OUT/decode.log" 2>&1
-      echo "rc=$?"; grep -E '"decode"|Error' "$OUT/decode.log" | cut -c1-400 ;;
+      timeout 200 python3 -m jaxrl_llm.bench --sections moe_decode --out "$OUT/moe_decode" > "$OUT/decode.log" 2>&1
+      echo "rc=$?"; grep -E '"moe_decode"|Error' "$OUT/decode.log" | cut -c1-400 ;;
   esac
 done

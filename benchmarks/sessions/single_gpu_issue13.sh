@@ -12,17 +12,17 @@ df -h /tmp /dev/shm | tee -a "$OUT/gpus.txt"
 E2E="--sections e2e --train_presets qwen2p5_1p5b --remat auto --token_budget 16384 --steps 3"
 case "${1:?phase}" in
   decode_sync)
-    run seed_gen_7b "${T1:-300}" python3 scripts/bench_decode.py --preset qwen2p5_7b --sections seed \
+    run seed_gen_7b "${T1:-300}" python3 -m jaxrl_llm.bench --sections seed_gen --presets qwen2p5_7b \
       --schedules every64 --attentions xla,pallas --no_profile
-    run sync_7b "${T2:-240}" python3 scripts/bench.py --sections sync --presets qwen2p5_7b --sync_dirs /tmp,/dev/shm
+    run sync_7b "${T2:-240}" python3 -m jaxrl_llm.bench --sections sync --presets qwen2p5_7b --dirs /tmp,/dev/shm
     ;;
   e2e)
-    run e2e_xla_cold "${T1:-280}" python3 scripts/bench.py $E2E --compile_cache /tmp/cc
-    run e2e_pallas "${T2:-250}" python3 scripts/bench.py $E2E --compile_cache /tmp/cc --decode_attention pallas
+    run e2e_xla_cold "${T1:-280}" python3 -m jaxrl_llm.bench $E2E --compile_cache /tmp/cc
+    run e2e_pallas "${T2:-250}" python3 -m jaxrl_llm.bench $E2E --compile_cache /tmp/cc --decode_attention pallas
     ;;
   e2e_warm)
     rm -rf /tmp/cc_w
-    run e2e_cold "${T1:-280}" python3 scripts/bench.py $E2E --compile_cache /tmp/cc_w
-    run e2e_warm "${T2:-250}" python3 scripts/bench.py $E2E --compile_cache /tmp/cc_w
+    run e2e_cold "${T1:-280}" python3 -m jaxrl_llm.bench $E2E --compile_cache /tmp/cc_w
+    run e2e_warm "${T2:-250}" python3 -m jaxrl_llm.bench $E2E --compile_cache /tmp/cc_w
     ;;
 esac

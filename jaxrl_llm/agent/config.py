@@ -12,13 +12,13 @@ import os
 
 import gin
 
+from jaxrl_llm.errors import ConfigValueError
+
 TRUNCATE_SIDES = ("left", "right", "middle")
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
-        from jaxrl_llm.trainer.config import ConfigValueError  # the trainer's config error (no import circle)
-
         raise ConfigValueError(f"rollout.multi_turn.{key}: {msg}")
 
 

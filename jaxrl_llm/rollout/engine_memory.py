@@ -11,9 +11,12 @@ memory).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl_llm import distributed
 from jaxrl_llm.rollout.base import RolloutError
@@ -101,6 +104,46 @@ class EngineMemory:
             "rollout.kv_cache_memory_bytes, lower data.max_response_length or data.max_prompt_length, or free "
             "device memory (trainer.ref_offload, a tensor-parallel mesh with train.mesh_tensor)")
 
+    def memory_report(self) -> list[tuple[str, int]]:
+        """The largest programs a shard runs, each with the bytes a device needs while it runs (beyond the
+        trainer's states), from XLA's compiled memory analysis: the engine's weights and a KV pool that serves
+        one longest row (`max_model_len`) are its inputs, plus its new outputs and temporaries. The trainer's
+        memory check (trainer/memory_check.py) holds them against the device before the first step. Programs:
+        decode over the top slot bucket (`max_num_seqs`), the longest fresh prefill and the continuation one."""
+        from jaxrl_llm.rollout import paged_decode
+        from jaxrl_llm.rollout.base import SamplingParams
+        from jaxrl_llm.rollout.ladders import Ladders, pow2
+
+        if self.params is None:
+            return []
+        base = self._base
+        model_len = self.max_model_len or self.max_prompt_length + 1
+        lad = Ladders(width=pow2(pages_for(model_len, self.page_size)), page_size=self.page_size,
+                      num_heads=self.cfg.num_attention_heads, max_batched_tokens=self.max_num_batched_tokens,
+                      max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs)
+        spec = dataclasses.replace(self._spec(SamplingParams(), self.decode_attention), max_new_tokens=0)
+        shape = (spec.num_kv_heads, pages_for(model_len, self.page_size) + 1, self.page_size, spec.head_dim)
+        page = jax.ShapeDtypeStruct(shape, jnp.dtype(self.cfg.dtype), sharding=base.pool_sharding(shape))
+        pool = [(page, page) for _ in range(spec.num_layers)]
+        fresh, cont = lad.fresh_lengths(self.max_prompt_length)[-1], lad.cont_lengths[-1]
+        programs = [
+            ("decode", "_decode", np.zeros((lad.slot_cap_bucket, lad.width + paged_decode.DECODE_COLS), np.int32), {}),
+            (f"prefill {fresh}", "_prefill", np.zeros((lad.rows(fresh, True), fresh + lad.table_width(fresh, True)
+                                                       + 2), np.int32), {"length": fresh}),
+            (f"prefill {cont} (continuation)", "_prefill", np.zeros((lad.rows(cont, False), cont + lad.width + 2),
+                                                                   np.int32), {"length": cont}),
+        ]
+        out = []
+        with jax.set_mesh(base.mesh):
+            for label, name, packed, static in programs:
+                args = self._abstract((base.params, pool, packed), base.mesh)
+                stats = getattr(type(self), name).lower(self, *args, spec=spec, **static).compile().memory_analysis()
+                need = sum(_device_bytes(x) for x in jax.tree.leaves(args))
+                if stats is not None:
+                    need += stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+                out.append((label, int(need)))
+        return out
+
     def release(self) -> None:
         """Frees the KV pools now (they are re-allocated, at the same size, by the next `generate`)."""
         for s in self.shards:
@@ -114,3 +157,10 @@ class EngineMemory:
     def _pool(self):
         """The base shard's pool (None when released)."""
         return self._base.pool
+
+
+def _device_bytes(x) -> int:
+    """One device's share of an array (or ShapeDtypeStruct with a sharding)."""
+    sh = getattr(x, "sharding", None)
+    shape = x.shape if sh is None else sh.shard_shape(x.shape)
+    return int(np.prod(shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize

@@ -104,6 +104,13 @@ class Ladders:
         return sorted({max(MIN_CHUNK, lc // 8), lc})
 
     @property
+    def slot_cap_bucket(self) -> int:
+        """The widest decode segment a shard runs: its slot cap's bucket."""
+        from jaxrl_llm.rollout.scheduler import slot_ladder
+
+        return slot_ladder(self.slot_cap)[-1]
+
+    @property
     def copy_slots(self) -> int:
         return pow2(max(MIN_CHUNK, self.slot_cap))
 

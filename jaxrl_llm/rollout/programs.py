@@ -61,7 +61,8 @@ def forget_held() -> None:
 
 @functools.cache
 def source_hash() -> str:
-    """A hash of every Python file of jaxrl_llm and kernels (the code a program is traced from)."""
+    """A hash of every Python file of jaxrl_llm and kernels (the code a program is traced from; the benchmarks
+    excepted)."""
     import jaxrl_llm
     import kernels
 
@@ -69,7 +70,7 @@ def source_hash() -> str:
     for pkg in (jaxrl_llm, kernels):
         root = os.path.dirname(pkg.__file__)
         for dirpath, dirnames, filenames in os.walk(root):
-            dirnames.sort()
+            dirnames[:] = sorted(d for d in dirnames if not (pkg is jaxrl_llm and d == "bench"))  # traces no program
             for name in sorted(filenames):
                 if name.endswith(".py"):
                     path = os.path.join(dirpath, name)

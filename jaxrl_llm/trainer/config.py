@@ -9,14 +9,13 @@ any model is loaded, so a bad value fails in the first second.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import gin
 
-from jaxrl_llm.agent.config import MultiTurnConfig
 from jaxrl_llm.algorithms.rollout_correction import RolloutCorrectionConfig
 from jaxrl_llm.trainer.config_check import ConfigValueError, check_types
 from jaxrl_llm.trainer.config_check import check as _check
+from jaxrl_llm.trainer.config_rollout import RolloutConfig
 from jaxrl_llm.trainer.router_replay import RouterReplaySettings
 
 
@@ -102,80 +101,6 @@ class DataConfig:
         _check(self.train_batch_size >= 1, "data.train_batch_size", "must be >= 1")
         _check(self.max_prompt_length >= 1 and self.max_response_length >= 1,
                "data.max_prompt_length / max_response_length", "must be >= 1")
-
-
-@gin.configurable("rollout")
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """veRL's `actor_rollout_ref.rollout.*`."""
-
-    engine: str = "jax"  # "jax" (in-process sampler) or "vllm" (a pool of Ray actors)
-    n: int = 1  # responses sampled a prompt (GRPO's group size)
-    temperature: float = 1.0  # sampling temperature of the training rollouts
-    top_p: float = 1.0  # nucleus sampling (1.0: off)
-    top_k: int = -1  # top-k sampling (-1: off)
-    # The JAX engine's KV memory: "paged" (a page pool under a budget, continuous batching; the default)
-    # or "dense" (per-row caches; the baseline it is measured against)
-    kv_cache: str = "paged"
-    # Paged: the share of device memory total use may reach while generating (trainer state and engine
-    # weights included); kv_cache_memory_bytes (bytes a device) overrides it
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None  # paged: the KV pool's bytes a device (None: from gpu_memory_utilization)
-    free_cache_engine: bool = True  # release the KV pool after each rollout (the update gets the memory)
-    # Paged, per data-parallel shard (each is an engine of its own, as vLLM's data-parallel engine cores): rows
-    # decoded together at most, and prompt tokens one prefill call processes at most
-    max_num_seqs: int = 1024
-    max_num_batched_tokens: int = 8192
-    # Paged: prompt + response tokens a row holds at most (fixes the programs' block tables); None:
-    # data.max_prompt_length + data.max_response_length
-    max_model_len: int | None = None
-    page_size: int = 16  # paged: tokens a KV page holds
-    max_batch_size: int = 1024  # dense: response rows decoded together
-    # JAX engine's decode attention: "xla" (every cache slot), "pallas" (a kernel that reads only each
-    # row's valid slots; kernels/decode_attention.py), "auto" (the kernel on GPUs, XLA elsewhere)
-    decode_attention: str = "auto"
-    val_temperature: float = 0.0  # validation is greedy (mean@1) unless val_n > 1
-    val_n: int = 1  # responses a validation prompt (veRL's val_kwargs.n): mean@N, best@N, pass@k
-    val_top_p: float = 1.0  # validation's top_p (veRL's val_kwargs.top_p)
-    val_top_k: int = -1  # validation's top_k (veRL's val_kwargs.top_k)
-    vllm_workers: int = 1  # rollout.engine = 'vllm': Ray actors in the pool, one vLLM engine each
-    # Where the trainer writes the vLLM pool's weights each step: '' is <run_dir>/weights; a directory
-    # such as /dev/shm (a RAM disk, one host) gets a subdirectory of this run, removed at the end.
-    weights_dir: str = ""
-    # A LoRA run on the vLLM pool: False syncs the base once, then the adapters as vLLM LoRA requests; True: the merged
-    lora_merge: bool = False  # weights every step (a full sync, the fallback). The JAX engine merges at every sync.
-    # Token budget of one micro-batch a device in the old/reference log-prob (and value) passes; None:
-    # twice actor.ppo_max_token_len_per_gpu (a forward pass keeps no activations for a backward one).
-    log_prob_max_token_len_per_gpu: int | None = None
-    multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)  # rollout.multi_turn.*
-
-    def validate(self):
-        _check(self.engine in ("jax", "vllm"), "rollout.engine", f"{self.engine!r}; use 'jax' or 'vllm'")
-        self.multi_turn.validate()
-        _check(not self.weights_dir or os.path.isdir(self.weights_dir), "rollout.weights_dir",
-               f"{self.weights_dir!r} is not a directory; give an existing one ('/dev/shm' on one host, a shared "
-               "file system across hosts) or '' for <run_dir>/weights")
-        _check(self.kv_cache in ("paged", "dense"), "rollout.kv_cache", f"{self.kv_cache!r}; use 'paged' or 'dense'")
-        _check(0.0 < self.gpu_memory_utilization <= 1.0, "rollout.gpu_memory_utilization",
-               f"{self.gpu_memory_utilization} is not a fraction in (0, 1]")
-        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "rollout.kv_cache_memory_bytes",
-               f"{self.kv_cache_memory_bytes}; give a positive byte count or None")
-        _check(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "rollout.page_size",
-               f"{self.page_size} is not a power of two")
-        _check(self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 16,
-               "rollout.max_num_seqs / max_num_batched_tokens",
-               "need max_num_seqs >= 1 and max_num_batched_tokens >= 16")
-        _check(self.max_model_len is None or self.max_model_len > 1, "rollout.max_model_len",
-               f"{self.max_model_len}; give prompt + response tokens, or None for the data lengths' sum")
-        _check(self.decode_attention in ("auto", "xla", "pallas"), "rollout.decode_attention",
-               f"{self.decode_attention!r}; use 'auto', 'xla' or 'pallas'")
-        _check(isinstance(self.n, int) and self.n >= 1, "rollout.n", f"n={self.n}; need n >= 1")
-        _check(0.0 < self.top_p <= 1.0, "rollout.top_p", f"{self.top_p} is not in (0, 1]")
-        _check(self.temperature > 0.0, "rollout.temperature", "training rollouts need temperature > 0")
-        _check(isinstance(self.val_n, int) and self.val_n >= 1, "rollout.val_n", f"val_n={self.val_n}; need >= 1")
-        _check(self.val_n == 1 or self.val_temperature > 0.0, "rollout.val_temperature",
-               f"rollout.val_n={self.val_n} samples the same greedy response {self.val_n} times; set "
-               "rollout.val_temperature > 0 (e.g. 1.0) or val_n = 1")
 
 
 @gin.configurable("actor")
@@ -414,6 +339,9 @@ class TrainerConfig:
     mesh_tensor: int = 1  # the tensor-parallel axis
     mesh_expert: int = 1  # splits a MoE's experts (its devices are data-parallel elsewhere)
     ref_offload: bool = False  # keep the reference model in host memory between its passes
+    # The bytes a device may hold, for the memory check before the first step (trainer/memory_check.py).
+    # None: what XLA may use on the device (a CPU says nothing: no check there); set it to check on a CPU.
+    device_memory_limit_bytes: int | None = None
     dump_batches: bool = False  # save every step's training batch under <run_dir>/batches
     replay_batches_from: str | None = None  # a dir of dumped batches to train on instead of generating
     peak_tflops: float | None = None  # per device, for perf/mfu (default: a table by device kind)
@@ -426,6 +354,8 @@ class TrainerConfig:
                f"{self.devices_per_process}; need >= 1 (or None)")
         _check(self.heartbeat_timeout_s >= 5, "train.heartbeat_timeout_s", f"{self.heartbeat_timeout_s}; need >= 5")
         _check(self.total_epochs >= 1, "train.total_epochs", "must be >= 1")
+        _check(self.device_memory_limit_bytes is None or self.device_memory_limit_bytes > 0,
+               "train.device_memory_limit_bytes", f"{self.device_memory_limit_bytes}; need > 0 (or None: the device's)")
         sinks = ("console", "jsonl", "tensorboard", "wandb")
         unknown = [s for s in self.logger if s not in sinks]
         _check(not unknown, "train.logger", f"unknown sink(s) {unknown}; use {sinks}")

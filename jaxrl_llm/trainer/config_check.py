@@ -7,9 +7,7 @@ import dataclasses
 import types
 import typing
 
-
-class ConfigValueError(ValueError):
-    """A config value that cannot work; the message names the gin binding to change."""
+from jaxrl_llm.errors import ConfigValueError
 
 
 def check(cond: bool, binding: str, msg: str) -> None:

@@ -1,9 +1,11 @@
-"""Device memory of a training step, estimated from shapes, to pick the remat policy (`model.remat='auto'`).
+"""Device memory of a training step, estimated from shapes: the first pass of `model.remat='auto'`.
 
 Saving the matmul outputs of every layer (remat "dots") skips the recomputed forward in the backward
 pass (about 8·N → 6·N FLOPs a token), but the saved outputs grow with the micro-batch's tokens; "full"
-keeps only each layer's input. `choose_remat` takes "dots" when the step's estimated peak fits the device
-with a margin, else "full". The estimate counts, per device:
+keeps only each layer's input. `choose_remat` offers "dots" when the step's estimated peak fits the device
+with a margin, else "full". The estimate is arithmetic and fast; the memory check before the first step
+(trainer/memory_check.py) compiles the offered choice and trusts XLA's own analysis of it, so "full" here
+only spares it compiling a "dots" that cannot fit. The estimate counts, per device:
 
   actor      fp32 params, Adam's two moments and the gradient accumulator (4 x 4 bytes a param), sharded;
              under LoRA that for the adapters alone, plus the frozen base: 2 bytes a param, or with
@@ -15,7 +17,10 @@ with a margin, else "full". The estimate counts, per device:
              the worker drops them for the update and the sync rebuilds them); an 8-bit base is dequantized
              into the engine's copy, which stays in the compute dtype
   saved      per token and layer: the layer input ("full"), or every matmul output and the attention's
-             output and statistics ("dots")
+             output and statistics ("dots"); under LoRA "dots" also keeps each adapter's two matmul outputs,
+             x·A [r] and (x·A)·B [out]: at 7B with rank 32 on every linear layer that is 2.8 MB a token, as much
+             again as the base's own matmuls (issue 32: left out, it made `auto` take "dots" for the 7B LoRA
+             step on one H100, whose update then asked XLA for 84.8 GiB)
   working    one layer's recomputed activations and the vocab-chunked log-prob's [tokens, chunk] logits
 """
 
@@ -23,9 +28,11 @@ from __future__ import annotations
 
 import logging
 
+import jax
+
 from jaxrl_llm.models import quant
 from jaxrl_llm.models.config import Qwen2Config
-from jaxrl_llm.models.errors import ConfigError
+from jaxrl_llm.models.lora import adapter_shapes, num_adapter_params
 
 log = logging.getLogger(__name__)
 
@@ -37,22 +44,34 @@ def _param_count(cfg: Qwen2Config) -> int:
     return cfg.num_params()
 
 
-def saved_bytes_per_token(cfg: Qwen2Config, remat: str, act_bytes: int = 2) -> int:
-    """Activations kept for the backward pass, per token, over all layers."""
+def saved_bytes_per_token(cfg: Qwen2Config, remat: str, act_bytes: int = 2, lora_outputs: int = 0) -> int:
+    """Activations kept for the backward pass, per token, over all layers. `lora_outputs`: the adapters'
+    matmul outputs a token has over all layers (`lora_outputs_per_token`), which "dots" keeps too."""
     d, f, layers = cfg.hidden_size, cfg.active_intermediate_size, cfg.num_hidden_layers
     if remat == "full":
-        per_layer = d
-    else:  # "dots" (and "none", which keeps at least as much): the matmul outputs, the attention's
-        # output and its fp32 softmax statistics (one a head)
-        per_layer = cfg.q_dim + 2 * cfg.kv_dim + d + 2 * f + d + cfg.q_dim + 2 * cfg.num_attention_heads
-    return per_layer * layers * act_bytes
+        return d * layers * act_bytes
+    # "dots" (and "none", which keeps at least as much): the matmul outputs, the attention's output and its
+    # fp32 softmax statistics (one a head)
+    per_layer = cfg.q_dim + 2 * cfg.kv_dim + d + 2 * f + d + cfg.q_dim + 2 * cfg.num_attention_heads
+    return (per_layer * layers + lora_outputs) * act_bytes
+
+
+def lora_outputs_per_token(cfg: Qwen2Config, spec) -> int:
+    """Values the adapters of `spec` compute for one token over all layers: x·A [r] and (x·A)·B [out] of
+    every adapted module (0 without LoRA)."""
+    if spec is None:
+        return 0
+    return sum(b.shape[0] * (b.shape[1] + b.shape[2]) for path, b in
+               jax.tree_util.tree_leaves_with_path(adapter_shapes(cfg, spec)) if path[-1].key == "lora_b")
 
 
 def estimate_step_bytes(cfg: Qwen2Config, *, remat: str, tokens_per_device: int, param_shards: int,
                         tensor: int = 1, ref: bool = True, critic: bool = False, engine: bool = True,
-                        logprob_chunk: int = 8192, lora_params: int = 0, base_quantization: str = "none") -> float:
+                        logprob_chunk: int = 8192, lora_params: int = 0, base_quantization: str = "none",
+                        lora_outputs: int = 0) -> float:
     """Estimated peak bytes a device holds during the actor update. `lora_params` > 0: a LoRA run with that
-    many adapter params (per model), its frozen base held as `base_quantization` says."""
+    many adapter params (per model), its frozen base held as `base_quantization` says, and `lora_outputs`
+    adapter matmul outputs a token (`lora_outputs_per_token`)."""
     n = _param_count(cfg)
     total = model_state_bytes(cfg, lora_params, base_quantization) / param_shards
     if ref and not lora_params:
@@ -61,7 +80,7 @@ def estimate_step_bytes(cfg: Qwen2Config, *, remat: str, tokens_per_device: int,
         total += model_state_bytes(cfg, lora_params, base_quantization) / param_shards
     if engine:
         total += 2.0 * n / tensor
-    total += saved_bytes_per_token(cfg, remat) * tokens_per_device
+    total += saved_bytes_per_token(cfg, remat, lora_outputs=lora_outputs) * tokens_per_device
     # One layer's recomputed activations (a few [tokens, F] buffers) and the chunked logits in fp32.
     total += tokens_per_device * (4 * cfg.active_intermediate_size * 2 + logprob_chunk * 4)
     return total
@@ -75,35 +94,6 @@ def model_state_bytes(cfg: Qwen2Config, lora_params: int = 0, base_quantization:
     return 16.0 * lora_params + quant.base_bytes(cfg, base_quantization)
 
 
-def check_fits(cfg: Qwen2Config, *, device_bytes: int | None, tokens_per_device: int, param_shards: int,
-               tensor: int = 1, ref: bool = True, critic: bool = False, engine: bool = True,
-               lora_params: int = 0, base_quantization: str = "none", jax_engine: bool = True,
-               merged_params: int | None = None) -> None:
-    """Fails before any work when the update cannot fit the device even with remat "full", or the weights a
-    weight sync holds (the trained state, the engine's copy and, for a LoRA run on a compute-dtype base, the
-    merged tree it is converted from; an 8-bit base merges layer by layer) do not; one ConfigError
-    naming the keys that shrink it. Does nothing where the device size is unknown (CPU). `merged_params`: how
-    many params the adapted kernels of a LoRA sync hold (the untouched leaves are the base's own arrays;
-    default: all of them)."""
-    if device_bytes is None:
-        return
-    kw = dict(tokens_per_device=tokens_per_device, param_shards=param_shards, tensor=tensor, ref=ref,
-              critic=critic, lora_params=lora_params, base_quantization=base_quantization)
-    update = estimate_step_bytes(cfg, remat="full", engine=engine, **kw)
-    rollout = estimate_step_bytes(cfg, remat="full", engine=jax_engine, **{**kw, "tokens_per_device": 0})
-    if jax_engine and lora_params and base_quantization == "none":  # the sync's merged tree beside the engine's
-        rollout += 2.0 * (cfg.num_params() if merged_params is None else merged_params) / param_shards
-    need = max(update, rollout)
-    if need > device_bytes:
-        fix = ("set model.lora_rank > 0 with model.base_quantization = 'int8'" if not lora_params else
-               "set model.base_quantization = 'int8'" if base_quantization == "none" else
-               "use more devices (trainer.mesh_fsdp / mesh_tensor)")
-        raise ConfigError(f"device memory: the {'update' if update >= rollout else 'rollout'} needs ~{need / 1e9:.1f} "
-                          f"GB a device (model {cfg.num_params() / 1e9:.2f}B params, actor."
-                          f"ppo_max_token_len_per_gpu -> {tokens_per_device} tokens) of its {device_bytes / 1e9:.1f} "
-                          f"GB; lower actor.ppo_max_token_len_per_gpu, shard over more devices, or {fix}")
-
-
 def device_memory_bytes() -> int | None:
     """The memory XLA may use on the first local device, or None where it does not say (CPU)."""
     import jax
@@ -114,30 +104,28 @@ def device_memory_bytes() -> int | None:
 
 def choose_remat(cfg: Qwen2Config, *, tokens_per_device: int, param_shards: int, tensor: int = 1,
                  ref: bool = True, critic: bool = False, engine: bool = True,
-                 device_bytes: int | None = None, lora_params: int = 0, base_quantization: str = "none") -> str:
+                 device_bytes: int | None = None, lora_params: int = 0, base_quantization: str = "none",
+                 lora_outputs: int = 0) -> str:
     """"dots" when the step fits the device with it, else "full" (also when the device size is unknown)."""
     if device_bytes is None:
         return "full"
     need = estimate_step_bytes(cfg, remat="dots", tokens_per_device=tokens_per_device, param_shards=param_shards,
                                tensor=tensor, ref=ref, critic=critic, engine=engine, lora_params=lora_params,
-                               base_quantization=base_quantization)
+                               base_quantization=base_quantization, lora_outputs=lora_outputs)
     choice = "dots" if need <= MARGIN * device_bytes else "full"
     log.info("model.remat='auto': %s (dots would need ~%.1f GB of the device's %.1f GB)", choice, need / 1e9,
              device_bytes / 1e9)
     return choice
 
 
-def plan(run, cfg: Qwen2Config, mesh_shape, lora) -> str:
-    """The remat a run's update fits with ("dots" or "full", for `model.remat='auto'`), after failing first
-    (`check_fits`) when even "full", or the rollout's weights, cannot fit this device."""
-    from jaxrl_llm.models.lora import adapted_kernel_params, num_adapter_params
-
+def first_pass_remat(run, cfg: Qwen2Config, mesh_shape, lora, device_bytes: int | None) -> str:
+    """`choose_remat` for a run on `mesh_shape` (`lora`: its adapters' spec, or None): the first pass of
+    `model.remat='auto'`. "full" here spares the memory check compiling a "dots" update that cannot fit;
+    "dots" is only a candidate, which the check compiles and confirms (trainer/memory_check.py)."""
     tokens = max(1, run.actor.ppo_max_token_len_per_gpu // run.pack_length) * run.pack_length
-    jax_engine = run.rollout.engine == "jax"
-    kw = dict(tokens_per_device=tokens, param_shards=mesh_shape["fsdp"] * mesh_shape["tensor"],
-              tensor=mesh_shape["tensor"], critic=run.algo.uses_critic,
-              ref=(run.actor.use_kl_loss or run.algo.use_kl_in_reward) and not run.trainer.ref_offload,
-              engine=jax_engine and not run.rollout.free_cache_engine, device_bytes=device_memory_bytes(),
-              lora_params=num_adapter_params(cfg, lora), base_quantization=run.model.base_quantization)
-    check_fits(cfg, jax_engine=jax_engine, merged_params=adapted_kernel_params(cfg, lora), **kw)
-    return choose_remat(cfg, **kw)
+    return choose_remat(cfg, tokens_per_device=tokens, param_shards=mesh_shape["fsdp"] * mesh_shape["tensor"],
+                        tensor=mesh_shape["tensor"], critic=run.algo.uses_critic,
+                        ref=(run.actor.use_kl_loss or run.algo.use_kl_in_reward) and not run.trainer.ref_offload,
+                        engine=run.rollout.engine == "jax" and not run.rollout.free_cache_engine,
+                        device_bytes=device_bytes, lora_params=num_adapter_params(cfg, lora),
+                        base_quantization=run.model.base_quantization, lora_outputs=lora_outputs_per_token(cfg, lora))

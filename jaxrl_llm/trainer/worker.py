@@ -23,7 +23,7 @@ from jaxrl_llm.algorithms import (
 )
 from jaxrl_llm.models import Qwen2Config
 from jaxrl_llm.rollout import RolloutBatch, SamplingParams, make_jax_engine
-from jaxrl_llm.trainer import memory, router_replay, steps
+from jaxrl_llm.trainer import memory_check, router_replay, steps
 from jaxrl_llm.trainer.algo_setup import (
     adv_inputs,
     make_adv_fn,
@@ -46,7 +46,7 @@ from jaxrl_llm.trainer.model_load import (
     lora_spec,
     model_config,
 )
-from jaxrl_llm.trainer.model_state import ModelState
+from jaxrl_llm.trainer.model_state import ModelState, abstract_params
 from jaxrl_llm.trainer.optim import make_optimizer
 
 log = logging.getLogger(__name__)
@@ -57,18 +57,26 @@ HOST_ONLY = ("seq_ids", "seq_start")
 class TrainerWorker:
     """Owns the device state of a run. `total_steps` sizes the LR schedule."""
 
-    def __init__(self, run: RunConfig, *, total_steps: int, model_cfg: Qwen2Config | None = None):
+    def __init__(self, run: RunConfig, *, total_steps: int, model_cfg: Qwen2Config | None = None,
+                 abstract: bool = False):
+        """`abstract`: the states as shapes alone, nothing loaded and no engine: what the memory check compiles
+        the step's programs against. Else that check runs first (`memory_check.plan`): it fails before any
+        work when a program cannot fit the device, and resolves model.remat='auto' and the log-prob budget."""
         self.run = run
         t = run.trainer
         self.mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor, expert=t.mesh_expert)
         self.dp = sharding.data_parallel_size(self.mesh)
         self.cfg = model_cfg or model_config(run)
         self.lora = lora_spec(run, self.cfg)
-        remat = memory.plan(run, self.cfg, self.mesh.shape, self.lora)  # fails first if the run cannot fit
-        if model_cfg is None and run.model.remat == "auto":
-            self.cfg = self.cfg.replace(remat=remat)
         run.router_replay.check_model(self.cfg)
-        params = load_actor_params(run, self.cfg, self.mesh, self.lora)
+        self.memory = None
+        if not abstract:
+            build = lambda r, c: TrainerWorker(r, total_steps=total_steps, model_cfg=c, abstract=True)
+            self.memory = memory_check.plan(run, self.cfg, build, auto_remat=model_cfg is None)
+            run = self.run = self.memory.run
+            self.cfg = self.memory.cfg
+        params = abstract_params(self.cfg, self.mesh) if abstract else load_actor_params(run, self.cfg, self.mesh,
+                                                                                           self.lora)
 
         n_mini = run.data.train_batch_size // run.actor.ppo_mini_batch_size
         self.tx, self.lr_at = make_optimizer(
@@ -77,16 +85,13 @@ class TrainerWorker:
             scheduler=run.actor.lr_scheduler, min_lr_ratio=run.actor.min_lr_ratio,
             weight_decay=run.actor.weight_decay, betas=run.actor.betas, grad_clip=run.actor.grad_clip)
         self.actor = ModelState(self.cfg, self.mesh, params, self.tx, lora=self.lora, seed=run.model.seed,
-                                adapters=load_adapters(run, self.cfg, self.lora, self.mesh),
+                                adapters=None if abstract else load_adapters(run, self.cfg, self.lora, self.mesh),
                                 base_quantization=run.model.base_quantization)
         self.actor_gd, self.actor_sh = self.actor.graphdef, self.actor.param_sh
         del params  # under LoRA the base now lives (in the compute dtype) in self.actor.frozen
 
         self.needs_ref = run.actor.use_kl_loss or run.algo.use_kl_in_reward
-        # LoRA: the reference is the frozen base run without the adapters; no second copy of the weights.
-        self.ref_params = None
-        if self.needs_ref:
-            self.ref_params = self.actor.frozen if self.lora is not None else self._make_ref(self.actor.params())
+        self.ref_params = self.actor.reference(offload=run.trainer.ref_offload) if self.needs_ref else None
 
         self.critic = None
         if run.algo.uses_critic:
@@ -95,17 +100,20 @@ class TrainerWorker:
                 c.lr, total_steps=total_steps, updates_per_step=n_mini * (c.ppo_epochs or run.actor.ppo_epochs),
                 warmup_steps=c.lr_warmup_steps, scheduler=c.lr_scheduler, weight_decay=c.weight_decay,
                 grad_clip=c.grad_clip)
-            self.critic = ModelState(self.cfg, self.mesh, load_critic_params(run, self.cfg, self.mesh, self.lora),
-                                     self.critic_tx, lora=self.lora, critic=True, seed=run.model.seed + 1,
+            params = abstract_params(self.cfg, self.mesh, critic=True) if abstract else load_critic_params(
+                run, self.cfg, self.mesh, self.lora)
+            self.critic = ModelState(self.cfg, self.mesh, params, self.critic_tx, lora=self.lora, critic=True,
+                                     seed=run.model.seed + 1,
                                      base_quantization=run.model.base_quantization)
             self.critic_gd, self.critic_sh = self.critic.graphdef, self.critic.param_sh
 
         self._build_steps()
         self.engine = None
-        if run.rollout.engine == "jax":
+        if run.rollout.engine == "jax" and not abstract:
             self.engine = make_jax_engine(self.cfg, self.actor.engine_params(), self.mesh, rollout=run.rollout,
                                           max_prompt_length=engine_prompt_length(run),
                                           max_model_len=run.rollout.max_model_len or run.max_model_len)
+            self.memory.check_engine(self.engine)  # the sampler's programs, where the engine reports them
 
     # The train states ({"params", "opt_state", "step", "skipped"}: what checkpoints hold), by role.
     @property
@@ -125,15 +133,6 @@ class TrainerWorker:
         self.critic.state = state
 
     # ---- construction ----------------------------------------------------------------------------
-    def _make_ref(self, params):
-        """The frozen reference policy in the compute dtype; on the host when `ref_offload` (each
-        process keeps its own devices' shards)."""
-        dt = jnp.dtype(self.cfg.dtype)
-        ref = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt), p), out_shardings=self.actor.base_sh)(params)
-        if self.run.trainer.ref_offload:
-            ref = jax.tree.map(distributed.to_host_shards, ref)
-        return ref
-
     def _ref_on_device(self):
         if not self.run.trainer.ref_offload or self.lora is not None:  # LoRA: the base itself, no copy
             return self.ref_params
@@ -143,9 +142,9 @@ class TrainerWorker:
         run = self.run
         temp = run.rollout.temperature
         chunk = run.actor.logprob_chunk_size
-        self.pack = self._pack_shape(run.actor.ppo_max_token_len_per_gpu)
+        self.pack = self.pack_shape(run.actor.ppo_max_token_len_per_gpu)
         # Forward-only passes keep no activations for a backward pass: larger micro-batches, fewer of them.
-        self.fwd_pack = self._pack_shape(run.rollout.log_prob_max_token_len_per_gpu
+        self.fwd_pack = self.pack_shape(run.rollout.log_prob_max_token_len_per_gpu
                                          or 2 * run.actor.ppo_max_token_len_per_gpu)
         self.estimator = get_adv_estimator(run.algo.adv_estimator)
         self.rc = rollout_correction_config(run)
@@ -190,7 +189,7 @@ class TrainerWorker:
             self.critic_apply = steps.make_apply_step(self.critic_tx, self.critic.state_sh)
             self.critic_zeros = steps.make_zeros(self.critic_sh)
 
-    def _pack_shape(self, tokens_per_device: int) -> PackShape:
+    def pack_shape(self, tokens_per_device: int) -> PackShape:
         run = self.run
         length = run.pack_length
         per_device = max(1, tokens_per_device // length)
@@ -353,13 +352,9 @@ class TrainerWorker:
         if self.bypass:  # veRL's bypass mode: the sampler's log-probs are the old ones
             batch.fields.setdefault("old_log_prob", batch.fields["rollout_log_probs"])
         self._release_engine_weights()
-        fields = ["advantages"] if self.on_policy else ["old_log_prob", "advantages"]
-        if self.run.actor.use_kl_loss:
-            fields.append("ref_log_prob")
-        fields += [k for k in ("rollout_log_probs", "loss_mask", "rollout_is_weights") if k in batch.fields]
+        fields = self.actor_update_fields(batch.fields)
         prepare = None
         if self.cov_select is not None:
-            fields.append("token_select")
             prepare = functools.partial(self._select_cov_tokens, step=step)
         self.actor_state, metrics = self._update(
             batch, role=self.actor, grad_fn=self.actor_grad, metrics0=self.actor_metrics0,
@@ -368,6 +363,14 @@ class TrainerWorker:
         if self.run.actor.use_kl_loss:
             metrics["actor/kl_coef"] = self.run.actor.kl_loss_coef
         return metrics
+
+    def actor_update_fields(self, present) -> list[str]:
+        """The batch fields an actor micro-batch carries, of those `present` in the batch."""
+        fields = ["advantages"] if self.on_policy else ["old_log_prob", "advantages"]
+        if self.run.actor.use_kl_loss:
+            fields.append("ref_log_prob")
+        fields += [k for k in ("rollout_log_probs", "loss_mask", "rollout_is_weights") if k in present]
+        return fields + (["token_select"] if self.cov_select is not None else [])
 
     def _select_cov_tokens(self, sub: TrainBatch, params, index: int, *, step: int) -> None:
         """clip_cov / kl_cov: the mini-batch's selected tokens, from the current policy's log-probs (one

@@ -76,3 +76,28 @@ def test_a_lora_moe_counts_the_base_in_the_compute_dtype_and_the_optimizer_for_a
     base_bytes = 2.0 * cfg.num_params()
     assert base_bytes + 16 * lora < lora_bytes < base_bytes + 16 * lora + 20e9  # + activations, no reference
     assert estimate_step_bytes(cfg, **kw) > 16 * cfg.num_params()
+
+
+def test_dots_counts_the_adapters_matmul_outputs():
+    """Issue 32: the 7B rank-32 LoRA step at a 16,384-token budget on one H100. Its "dots" update asked XLA
+    for 84.8 GiB (91.1 GB) of temporaries, because `auto` had taken "dots" on an estimate of 65 GB that
+    left out the adapters' own saved outputs (x·A and (x·A)·B of 7 modules a layer). Counted, "dots" needs
+    about that 91 GB and `auto` keeps "full" on the H100."""
+    from jaxrl_llm.models.lora import LoraSpec, num_adapter_params, resolve_targets
+    from jaxrl_llm.trainer.memory import lora_outputs_per_token, saved_bytes_per_token
+
+    c7 = PRESETS["qwen2p5_7b"]()
+    spec = LoraSpec(rank=32, alpha=64.0, targets=resolve_targets("all-linear"))
+    outs = lora_outputs_per_token(c7, spec)
+    # per layer: q, o, down out 3584; k, v 512; gate, up 18944; and the rank-32 x·A of each of the 7
+    assert outs == 28 * (3 * 3584 + 2 * 512 + 2 * 18944 + 7 * 32)
+    assert saved_bytes_per_token(c7, "full", lora_outputs=outs) == saved_bytes_per_token(c7, "full")
+    h100 = int(85.52e9 * 0.92)  # XLA's share of an H100 80GB under the trainer's memory fraction
+    kw = dict(tokens_per_device=15360, param_shards=1, engine=False, device_bytes=h100,
+              lora_params=num_adapter_params(c7, spec))
+    assert choose_remat(c7, **kw, lora_outputs=outs) == "full"
+    assert choose_remat(c7, **kw) == "dots"  # what the regression chose
+    kw.pop("device_bytes")
+    dots = estimate_step_bytes(c7, remat="dots", **kw, lora_outputs=outs)
+    state = 2 * c7.num_params() + 16 * kw["lora_params"]  # the bf16 base, the adapters' fp32 state
+    assert 88e9 < dots - state < 94e9  # saved outputs and one layer's working set: XLA's 91.1 GB

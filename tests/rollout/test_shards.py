@@ -186,3 +186,31 @@ def test_nothing_compiles_after_the_first_calls(model, data):
         assert len(out) == 2 * len(prompts)
         if call >= 2:
             assert compiled == 0 and eng.last_stats["programs_compiled"] == 0, (call, compiled, eng.last_stats)
+
+
+# ---- the memory report for the check before the first step ------------------------------------------------
+
+
+def test_the_engine_reports_its_largest_programs_from_xla_and_the_check_refuses_one_that_cannot_fit(model):
+    """`memory_report` compiles the widest decode segment and the longest prefills and returns what a device needs
+    while each runs (weights, a pool for one longest row, outputs, temporaries); split over tensor 2, a device
+    needs less. The trainer's check (trainer/memory_check.py) refuses the program that does not fit its limit."""
+    from jaxrl_llm.errors import DeviceMemoryError
+    from jaxrl_llm.trainer.memory_check import MemoryPlan
+
+    cfg, params = model
+    kw = dict(dtype="float32", page_size=4, max_num_seqs=64, max_prompt_length=32, max_model_len=64)
+    one = JaxEngine(cfg, params, **kw)
+    report = dict(one.memory_report())
+    assert set(report) == {"decode", "prefill 32", "prefill 64 (continuation)"}, report
+    weights = sum(x.nbytes for x in jax.tree.leaves(one.params))
+    pool = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * 4 * (64 // 4 + 1)
+    assert all(v > weights + pool for v in report.values())
+    split = dict(JaxEngine(cfg, params, mesh=sharding.make_mesh(1, 1, 2, devices=jax.devices()[:2]),
+                           **kw).memory_report())
+    assert split["decode"] < report["decode"]
+    assert one.last_stats == {} and one._pool is None  # nothing ran, nothing was allocated
+    need = max(report.values())
+    MemoryPlan(run=None, cfg=None, limit=2 * need).check_engine(one)
+    with pytest.raises(DeviceMemoryError, match="generation program"):
+        MemoryPlan(run=None, cfg=None, limit=int(0.9 * need)).check_engine(one)

@@ -1,7 +1,7 @@
 """The paged decode-attention kernel (kernels/paged_attention.py) on the GPU, in under 3 minutes.
 
-  python scripts/bench_paged_kernel.py --out $OUT/paged_kernel.json [--budget_s 160]
-  python scripts/bench_paged_kernel.py --smoke   # CPU: tiny shapes in interpret mode, checks the script runs
+  python -m jaxrl_llm.bench --sections paged_kernel --out $OUT [--budget_s 160]
+  python -m jaxrl_llm.bench --sections paged_kernel --small   # CPU: tiny shapes in interpret mode
 
 At the decode shapes of Qwen2.5-7B (28 q heads, 4 kv heads, H 128) and Qwen3-8B (32, 8, 128), bf16,
 64 / 256 / 512 slots with lengths drawn uniformly from 100..1,300 and page sizes 16 / 32 / 64, three
@@ -14,28 +14,24 @@ attentions over the same K/V (random, never zeros):
 Each time is the median over calls of one jitted program that runs the attention over LAYERS layers'
 pools (so no L2 reuse between calls), divided by LAYERS. One JSON line a case: microseconds a call, TB/s
 of the K/V bytes the slots attend to (sum of lengths x K x H x 2 x 2 bytes), and the max |difference| of
-the first layer's output from the bf16 reference and from an fp32 one. The whole JSON is rewritten to
---out after each line; past --budget_s seconds the remaining cases are skipped. Uses jax and numpy only.
+the first layer's output from the bf16 reference and from an fp32 one (section `paged_kernel/<part>`, with
+`t_s` the seconds since the section started); past --budget_s seconds the remaining cases are skipped.
+Uses jax and numpy only.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from kernels.decode_attention import decode_attention  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from jaxrl_llm.bench import harness
+from jaxrl_llm.bench.harness import layered, option, section, timed
+from kernels.decode_attention import decode_attention
+from kernels.paged_attention import (
     default_pages_per_block,
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -47,9 +43,10 @@ MIN_LEN, MAX_LEN = 100, 1300
 LAYERS = 4
 
 T0 = time.perf_counter()
-RESULTS: dict = {"rows": []}
-OUT: str | None = None
 BUDGET = 160.0
+option("--models", default=",".join(MODELS), help="paged_kernel: decode shapes (qwen2p5_7b, qwen3_8b)")
+option("--page_sizes", default="16,32,64", help="paged_kernel: page sizes")
+option("--sweep", action="store_true", help="paged_kernel: also a few launch configurations of the paged kernel")
 
 
 def elapsed() -> float:
@@ -57,12 +54,7 @@ def elapsed() -> float:
 
 
 def emit(**row):
-    row["t_s"] = round(elapsed(), 1)
-    print(json.dumps(row), flush=True)
-    RESULTS["rows"].append(row)
-    if OUT:
-        with open(OUT, "w") as f:
-            json.dump(RESULTS, f, indent=1)
+    harness.emit(**{**row, "section": f"paged_kernel/{row['section']}", "t_s": round(elapsed(), 1)})
 
 
 def paged_layout(rng, lengths, page_size, capacity):
@@ -92,33 +84,6 @@ def to_dense(pages, tables):
     kh, _, ps, h = pages.shape
     s, w = tables.shape
     return jnp.swapaxes(pages[:, tables].reshape(kh, s, w * ps, h), 0, 1)
-
-
-def layered(attn):
-    """A jitted program running `attn(q, k, v)` over each layer's K/V, the query chained like layers."""
-
-    @jax.jit
-    def run(q, ks, vs, *rest):
-        for k, v in zip(ks, vs):
-            q = q + (attn(q, k, v, *rest) * 0.01).astype(q.dtype)
-        return q
-
-    return run
-
-
-def timed(fn, *args, iters=10, warmup=2):
-    """(first call s, incl. compile; median s of `iters` calls after `warmup`)."""
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - t
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return first, float(np.median(times))
 
 
 def max_err(a, b) -> float:
@@ -176,31 +141,22 @@ def bench_slots(rng, model, rows, page_sizes, iters, paged_configs):
         del ks, vs
 
 
-def main():
-    global OUT, BUDGET, LAYERS, CAPACITY, MIN_LEN, MAX_LEN
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "paged_kernel.json"))
-    ap.add_argument("--budget_s", type=float, default=160.0)
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--rows", default="64,256,512")
-    ap.add_argument("--page_sizes", default="16,32,64")
-    ap.add_argument("--sweep", action="store_true", help="also a few launch configurations of the paged kernel")
-    ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes in interpret mode (checks the script)")
-    args = ap.parse_args()
-    OUT, BUDGET = args.out, args.budget_s
-    os.makedirs(os.path.dirname(os.path.abspath(OUT)), exist_ok=True)
+@section("paged_kernel", help="the paged decode-attention kernel against the dense kernel and XLA at 7B and Qwen3-8B "
+         "shapes", defaults={"budget_s": 160.0, "rows": "64,256,512"})
+def paged_kernel(args):
+    global T0, BUDGET, LAYERS, CAPACITY, MIN_LEN, MAX_LEN
+    T0, BUDGET = time.perf_counter(), args.budget_s
     rows, page_sizes, iters = [int(x) for x in args.rows.split(",")], [int(x) for x in args.page_sizes.split(",")], 10
-    if args.smoke:  # head dim 32, short slots, one layer, one timed call
+    if args.small:  # head dim 32, short slots, one layer, one timed call
         for m, (n, kh, _) in list(MODELS.items()):
             MODELS[m] = (n, kh, 32)
         rows, page_sizes, iters, LAYERS, CAPACITY, MIN_LEN, MAX_LEN = [4], [16], 1, 1, 128, 10, 100
     dev = jax.devices()[0]
     import jaxlib
 
-    RESULTS["env"] = dict(jax=jax.__version__, jaxlib=jaxlib.__version__, backend=jax.default_backend(),
-                          device=dev.device_kind, sms=getattr(dev, "core_count", None), python=sys.version.split()[0],
-                          smoke=args.smoke, layers=LAYERS, capacity=CAPACITY, lengths=[MIN_LEN, MAX_LEN])
-    emit(section="env", **RESULTS["env"])
+    emit(section="env", jax=jax.__version__, jaxlib=jaxlib.__version__, backend=jax.default_backend(),
+         device=dev.device_kind, sms=getattr(dev, "core_count", None), python=sys.version.split()[0],
+         smoke=args.small, layers=LAYERS, capacity=CAPACITY, lengths=[MIN_LEN, MAX_LEN])
     configs = [{}]
     if args.sweep:
         configs += [{"block": 32}, {"block": 128}, {"num_stages": 3}, {"block": 32, "num_stages": 3},
@@ -210,7 +166,3 @@ def main():
         for r in rows:
             bench_slots(rng, model, r, page_sizes, iters, configs)
     emit(section="done", seconds=round(elapsed(), 1))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,7 @@
 """Adapter sync time against a full sync, for both rollout engines (issue 21), on random weights of a preset.
 
-  python scripts/bench_lora_sync.py [--preset qwen2p5_0p5b] [--rank 32] [--repeats 3] [--engines jax,vllm]
+  python -m jaxrl_llm.bench --sections lora_sync [--presets qwen2p5_0p5b] [--lora_rank 32] [--repeats 3]
+                            [--engines jax,vllm]
 
 JAX engine (in this process, in device memory), what `worker.sync_rollout_weights` does each step:
   jax/full      a full fine-tuning run's sync: the fp32 master params cast and converted into the engine's
@@ -11,34 +12,39 @@ JAX engine (in this process, in device memory), what `worker.sync_rollout_weight
                 layers would each need the adapters' two extra matmuls), measured as its cost where it
                 would be paid: one decode step's projections over every layer at `--decode_rows` rows, with
                 (`beside`) and without (`merged`) the adapters' x @ A @ B
-vLLM pool (one `VllmActor`, no Ray, as `bench_weight_path.py`):
+vLLM pool (one `VllmActor`, no Ray, as the weight_path section):
   vllm/full     `rollout.lora_merge = True`: save_weights (the trainer's side) + load_weights (the actor's
                 Orbax restore and in-place reload), on an engine without LoRA
   vllm/adapter  the default: save_peft of the adapters (the trainer's side) + load_adapter (vLLM reads the
                 PEFT directory into its LoRA cache), on an engine started with enable_lora
-Prints one JSON row per measurement, then the medians. On 2 CPU cores the qwen2p5_0p5b preset takes a few
-minutes and about 6 GB of host memory.
+One row (section lora_sync) per measurement, then the medians. On 2 CPU cores the qwen2p5_0p5b preset takes a
+few minutes and about 6 GB of host memory. It runs in a process of its own, on the CPU unless JAX_PLATFORMS
+says otherwise (`JAX_PLATFORMS= ... --engines jax` measures the JAX engine on the GPU).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxrl_llm.bench.harness import emit as _emit
+from jaxrl_llm.bench.harness import option, section, timeit
+from jaxrl_llm.bench.workload import dir_bytes
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# A pool actor's environment (`vllm_worker.DEFAULT_ENV`), set before JAX and vLLM read it.
+VLLM_ENV = {"JAX_PLATFORMS": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING"}
+option("--decode_rows", type=int, default=64, help="lora_sync: rows of the beside-vs-merged decode proxy")
+DEFAULTS = {"presets": "qwen2p5_0p5b", "lora_rank": 32, "lora_alpha": 64.0, "repeats": 3,
+                   "engines": "jax,vllm"}
 
-from scripts.bench_common import dir_bytes, emit, timeit  # noqa: E402 (after the environment above)
+
+def emit(**row):
+    _emit(section="lora_sync", **row)
 
 
 def _trained_adapters(cfg, spec, seed=1):
@@ -169,30 +175,22 @@ def bench_vllm(args, cfg, spec, rows: dict, root: str) -> None:
     emit(what="adapter_dir", bytes_on_disk=last["bytes"])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen2p5_0p5b")
-    parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--alpha", type=float, default=64.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", default="jax,vllm")
-    parser.add_argument("--decode_rows", type=int, default=64, help="rows of the beside-vs-merged decode proxy")
-    parser.add_argument("--dir", default=None, help="where checkpoints and adapters go (default: temp dir)")
-    parser.add_argument("--kv_cache_mb", type=int, default=64)
-    args = parser.parse_args()
-
+@section("lora_sync", help="adapter sync against a full sync, JAX engine (merge at sync, or adapters beside) and "
+         "vLLM pool (PEFT directory vs Orbax checkpoint)", defaults=DEFAULTS, env=VLLM_ENV)
+def lora_sync(args):
     import jax
 
     from jaxrl_llm.models import PRESETS
     from jaxrl_llm.models.lora import LoraSpec, resolve_targets
 
-    extra = {"head_dim": 32, "num_attention_heads": 2, "num_key_value_heads": 1} if args.preset == "tiny" else {}
-    cfg = PRESETS[args.preset](dtype="bfloat16", param_dtype="float32", **extra)  # vLLM's CPU attention: head_dim >= 32
-    spec = LoraSpec(rank=args.rank, alpha=args.alpha, targets=resolve_targets("all-linear"))
-    emit(what="setup", preset=args.preset, rank=args.rank, targets=list(spec.targets), device=str(jax.devices()[0]),
+    preset = args.small_preset if args.small else args.presets.split(",")[0]
+    extra = {"head_dim": 32, "num_attention_heads": 2, "num_key_value_heads": 1} if preset == "tiny" else {}
+    cfg = PRESETS[preset](dtype="bfloat16", param_dtype="float32", **extra)  # vLLM's CPU attention: head_dim >= 32
+    spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha, targets=resolve_targets("all-linear"))
+    emit(what="setup", preset=preset, rank=args.lora_rank, targets=list(spec.targets), device=str(jax.devices()[0]),
          layers=cfg.num_hidden_layers, hidden=cfg.hidden_size)
     rows: dict[str, list[dict]] = {}
-    root = tempfile.mkdtemp(prefix="bench_lora_sync_", dir=args.dir)
+    root = tempfile.mkdtemp(prefix="bench_lora_sync_", dir=args.work_dir)
     try:
         engines = args.engines.split(",")
         if "jax" in engines:
@@ -203,7 +201,3 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     for what, rs in rows.items():
         emit(what=f"median/{what}", repeats=len(rs), **{k: statistics.median(r[k] for r in rs) for k in rs[0]})
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """The ragged decode-attention kernel (kernels/decode_attention.py) on the GPU, in about 2-3 minutes.
 
-  python scripts/bench_decode_kernel.py --out $OUT/decode_kernel.json [--engine] [--budget_s 150]
+  python -m jaxrl_llm.bench --sections decode_kernel --out $OUT [--engine] [--budget_s 150]
 
 At Qwen2.5-7B's decode shapes (28 q heads, 4 kv heads, head dim 128, bf16):
 1. correctness: the Triton-compiled kernel against the jnp reference (the sampler's XLA attention) at
@@ -11,36 +11,34 @@ At Qwen2.5-7B's decode shapes (28 q heads, 4 kv heads, head dim 128, bf16):
    have finished; plus a few kernel launch configurations;
 3. with --engine (needs gin: carry .whl), a whole 7B decode step through the engine with random
    weights at 256 rows, once with each attention.
-Every result is printed as it comes (JSON lines) and the whole JSON is rewritten to --out after each;
-past --budget_s seconds the remaining parts are skipped. Uses jax and numpy only (1-2).
+Rows (section `decode_kernel/<part>`) carry `t_s`, the seconds since the section started; past --budget_s
+seconds the remaining parts are skipped. Uses jax and numpy only (1-2).
 """
 
 from __future__ import annotations
 
-import argparse
-import glob
-import json
-import os
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from kernels.decode_attention import _block_size, decode_attention, decode_attention_reference  # noqa: E402
+from jaxrl_llm.bench import harness
+from jaxrl_llm.bench.harness import layered, option, section, timed
+from kernels.decode_attention import _block_size, decode_attention, decode_attention_reference
 
 N_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128  # Qwen2.5-7B
 PROMPT_SLOTS = 192  # the seed's prompts (~95 tokens, up to ~180) on the 32-slot prompt ladder
 LAYERS = 8  # distinct caches a timed program reads (8 x 2 x 159 MB at 256 x 1216)
 
 T0 = time.perf_counter()
-RESULTS: dict = {"rows": []}
-OUT: str | None = None
+BUDGET = 150.0
+option("--engine", action="store_true", help="decode_kernel: 3, whole 7B decode steps through the engine")
+option("--engine_tokens", type=int, default=256, help="decode_kernel --engine: new tokens")
+option("--only_engine", action="store_true", help="decode_kernel: skip 1-2 (with --engine: only the engine steps)")
+option("--engine_impls", default="xla,pallas", help="decode_kernel: attentions of the engine steps; one a process "
+       "at 7B on an 80 GB GPU (two engines do not fit)")
 
 
 def elapsed() -> float:
@@ -48,12 +46,7 @@ def elapsed() -> float:
 
 
 def emit(**row):
-    row["t_s"] = round(elapsed(), 1)
-    print(json.dumps(row), flush=True)
-    RESULTS["rows"].append(row)
-    if OUT:
-        with open(OUT, "w") as f:
-            json.dump(RESULTS, f, indent=1)
+    harness.emit(**{**row, "section": f"decode_kernel/{row['section']}", "t_s": round(elapsed(), 1)})
 
 
 def row_bounds(rng, rows, capacity, live_frac=1.0, shared_t=None):
@@ -74,33 +67,6 @@ def caches(key, rows, capacity, layers):
     keys = jax.random.split(key, 2 * layers)
     make = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16))
     return [make(keys[i]) for i in range(layers)], [make(keys[layers + i]) for i in range(layers)]
-
-
-def layered(attn):
-    """A jitted program running `attn` over each layer's caches, the query chained like layers."""
-
-    @jax.jit
-    def run(q, ks, vs, starts, ends):
-        for kc, vc in zip(ks, vs):
-            q = q + (attn(q, kc, vc, starts, ends) * 0.01).astype(q.dtype)
-        return q
-
-    return run
-
-
-def timed(fn, *args, iters=10, warmup=2):
-    """(first call s, incl. compile; median s of `iters` calls after `warmup`)."""
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - t
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return first, float(np.median(times))
 
 
 def correctness(rng, rows, capacity):
@@ -157,10 +123,6 @@ def attention_case(rng, rows, capacity, *, live_frac=1.0, shared_t=None, configs
 
 def engine_step(tokens: int, preset: str = "qwen2p5_7b", rows: int = 256, impls=("xla", "pallas")):
     """Whole decode steps through the engine (random weights), xla vs pallas attention."""
-    try:
-        import gin  # noqa: F401
-    except ImportError:  # a carried pure-python wheel imports as a zip
-        sys.path[:0] = glob.glob(os.path.join(REPO, ".whl", "gin_config-*.whl"))
     from jaxrl_llm.models import init_params
     from jaxrl_llm.models.config import PRESETS
     from jaxrl_llm.rollout import DenseJaxEngine, SamplingParams
@@ -197,31 +159,19 @@ def engine_step(tokens: int, preset: str = "qwen2p5_7b", rows: int = 256, impls=
              value=same)
 
 
-def main():
-    global OUT, BUDGET
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "decode_kernel.json"))
-    ap.add_argument("--budget_s", type=float, default=150.0)
-    ap.add_argument("--engine", action="store_true", help="3: whole 7B decode steps through the engine")
-    ap.add_argument("--engine_tokens", type=int, default=256)
-    ap.add_argument("--small", action="store_true", help="tiny shapes: a smoke run of the script on CPU")
-    ap.add_argument("--only_engine", action="store_true", help="skip 1-2 (with --engine: only the engine steps)")
-    ap.add_argument("--engine_impls", default="xla,pallas",
-                    help="attentions of the engine steps; one a process at 7B on an 80 GB GPU (two engines do not fit)")
-    args = ap.parse_args()
-    OUT, BUDGET = args.out, args.budget_s
-    os.makedirs(os.path.dirname(os.path.abspath(OUT)), exist_ok=True)
+@section("decode_kernel", help="the ragged decode-attention kernel against XLA: correctness, attention alone at "
+         "7B shapes, and (--engine) whole decode steps", defaults={"budget_s": 150.0})
+def decode_kernel(args):
+    global T0, BUDGET, LAYERS
+    T0, BUDGET = time.perf_counter(), args.budget_s
     dev = jax.devices()[0]
     import jaxlib
 
-    RESULTS["env"] = dict(jax=jax.__version__, jaxlib=jaxlib.__version__, backend=jax.default_backend(),
-                          device=dev.device_kind, sms=getattr(dev, "core_count", None), python=sys.version.split()[0],
-                          small=args.small)
-    emit(section="env", **RESULTS["env"])
+    emit(section="env", jax=jax.__version__, jaxlib=jaxlib.__version__, backend=jax.default_backend(),
+         device=dev.device_kind, sms=getattr(dev, "core_count", None), python=sys.version.split()[0], small=args.small)
     # --small: a CPU smoke run of this script (interpret mode), shapes cut to 1/32 of the rows.
     big, small, (c1, c2, c3) = (256, 64, (1216, 320, 704)) if not args.small else (8, 2, (256, 224, 240))
     if args.small:
-        global LAYERS
         LAYERS = 2
     rng = np.random.default_rng(0)
     impls = tuple(args.engine_impls.split(","))
@@ -242,9 +192,3 @@ def main():
     if args.engine:
         engine_step(args.engine_tokens, *(("tiny", 8) if args.small else ()), impls=impls)
     emit(section="done", seconds=round(elapsed(), 1))
-
-
-BUDGET = 150.0
-
-if __name__ == "__main__":
-    main()

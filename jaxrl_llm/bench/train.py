@@ -1,9 +1,8 @@
-"""The training sections of scripts/bench.py: `train` (the actor update at the peers' and the seed's
-shapes) and `e2e` (full GRPO steps through RLTrainer), and the run config and synthetic batch they share."""
+"""The training sections: `train` (the actor update at the peers' and the seed's shapes), `e2e` (full GRPO
+steps through RLTrainer) and `profile_update` (where the update's GPU time goes, by kernel)."""
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 
@@ -11,66 +10,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.trainer.metrics import veRL_flops
-from scripts.bench_common import (
-    ATTENTION,
+from jaxrl_llm.bench import trace
+from jaxrl_llm.bench.harness import (
     CEILINGS,
+    TRAINER_MEM_FRACTION,
+    CompileSeconds,
     compiled_gb,
-    data_dir,
     device_gb,
     emit,
-    gsm8k_prompts,
-    seed_response_lengths,
+    option,
+    section,
     timeit,
 )
+from jaxrl_llm.bench.workload import make_run, seed_response_lengths, synthetic_batch
+from jaxrl_llm.trainer.metrics import veRL_flops
+
+option("--fsdp", type=int, help="e2e mesh: fsdp size (-1: the devices left by --tensor)", default=-1)
+option("--tensor", type=int, help="e2e mesh: tensor-parallel size", default=1)
+option("--steps", type=int, help="e2e: GRPO steps", default=3)
+option("--prompts_per_gpu", type=int, help="e2e: prompts a GPU (x5; the seed run: 128)", default=128)
+option("--decode_attention", help="e2e: rollout.decode_attention (auto, xla or pallas)", default="auto")
+option("--kv_cache", help="e2e: rollout.kv_cache (paged or dense)", default="paged")
+option("--base_quantization", help="e2e: model.base_quantization (none, int8, fp8; needs --lora_rank > 0)",
+       default="none")
+option("--top", type=int, help="profile_update: kernels listed", default=40)
 
 
-def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat: str, fsdp: int = -1, tensor: int = 1,
-             max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run",
-             max_batch: int = 4096, decode_attention: str = "auto", kv_cache: str = "paged", lora_rank: int = 0,
-             lora_alpha: float = 64.0, base_quantization: str = "none"):
-    from jaxrl_llm.models.config import PRESETS
-    from jaxrl_llm.trainer import config as C
-
-    d = data_dir()
-    return C.RunConfig(
-        model=C.ModelConfig(preset=preset, tokenizer_path=os.path.join(d, "qwen2_tokenizer"),
-                            dtype="float32" if small else "bfloat16", param_dtype="float32", remat=remat,
-                            attention_impl=ATTENTION["impl"],
-                            # Qwen2 token ids: a model of a smaller vocabulary (Llama 3) gets Qwen2's, so the
-                            # real prompts stay in range (+2-4% parameters at Llama's shapes)
-                            overrides={"vocab_size": 151936} if small or PRESETS[preset]().vocab_size < 151936
-                            else None,
-                            # LoRA on every linear layer (rank 0: full fine-tuning), at 10x the learning rate
-                            lora_rank=lora_rank, lora_alpha=lora_alpha, base_quantization=base_quantization),
-        data=C.DataConfig(source="files", train_files=(os.path.join(d, "gsm8k_test.jsonl"),),
-                          train_batch_size=prompts, max_prompt_length=max_prompt, max_response_length=max_response),
-        rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=max_batch, decode_attention=decode_attention,
-                                kv_cache=kv_cache),
-        actor=C.ActorConfig(lr=1e-5 if lora_rank else 1e-6, ppo_mini_batch_size=mini,
-                            ppo_max_token_len_per_gpu=budget, use_kl_loss=True,
-                            kl_loss_coef=0.001, kl_loss_type="low_var_kl"),
-        critic=C.CriticConfig(), algo=C.AlgoConfig(adv_estimator="grpo"), reward=C.RewardConfig(),
-        trainer=C.TrainerConfig(run_dir=run_dir, logger=("jsonl",), driver="inprocess", mesh_fsdp=fsdp,
-                                mesh_tensor=tensor,
-                                progress_bar=False, total_training_steps=3)).validate()
-
-
-def synthetic_batch(n_prompts: int, n: int, max_response: int, vocab: int, seed: int = 0, max_prompt: int = 512):
-    """GSM8K prompts with random responses of the seed's lengths and random advantages."""
-    from jaxrl_llm.trainer.batch import TrainBatch
-
-    prompts = [p[-max_prompt:] for p in gsm8k_prompts(n_prompts)]
-    r = n_prompts * n
-    lens = np.minimum(seed_response_lengths(r, seed), max_response)
-    rng = np.random.default_rng(seed)
-    responses = rng.integers(0, min(vocab, 150000), size=(r, max_response)).astype(np.int32)
-    mask = (np.arange(max_response)[None] < lens[:, None]).astype(np.float32)
-    prompt_ids = [np.asarray(prompts[i // n], np.int32) for i in range(r)]
-    b = TrainBatch(prompt_ids=prompt_ids, responses=responses * mask.astype(np.int32), response_mask=mask,
-                   group_ids=np.repeat(np.arange(n_prompts), n).astype(np.int32))
-    b.fields["advantages"] = (rng.standard_normal((r, 1)) * mask).astype(np.float32)
-    return b
+@section("train", help="fwd+bwd+AdamW at the peers' shapes, and the GRPO actor update at the seed's per-GPU batch",
+         defaults={"train_presets": "qwen2p5_0p5b,qwen2p5_1p5b", "remat": "full"}, mem_fraction=TRAINER_MEM_FRACTION)
+def train_section(opts):
+    small = opts.small
+    train([opts.small_preset] if small else opts.train_presets.split(","), small, opts.remat.split(","))
 
 
 def train(presets, small: bool, remat_list):
@@ -148,6 +118,15 @@ def train(presets, small: bool, remat_list):
             worker = params = None  # free the device memory before the next model
 
 
+@section("e2e", help="full GRPO steps (the seed's shape a GPU) through RLTrainer: time a phase, tokens/s/GPU, MFU",
+         defaults={"train_presets": "qwen2p5_0p5b,qwen2p5_1p5b", "remat": "full", "token_budget": 32768,
+                   "lora_rank": 0, "lora_alpha": 64.0}, mem_fraction=TRAINER_MEM_FRACTION)
+def e2e_section(opts):
+    e2e([opts.small_preset] if opts.small else opts.train_presets.split(","), opts.small, opts.steps, opts.fsdp,
+        opts.tensor, opts.remat.split(",")[0], opts.token_budget, opts.decode_attention, opts.kv_cache,
+        opts.lora_rank, opts.lora_alpha, opts.base_quantization, opts.prompts_per_gpu)
+
+
 def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, remat: str = "full",
         budget: int = 32768, decode_attention: str = "auto", kv_cache: str = "paged", lora_rank: int = 0,
         lora_alpha: float = 64.0, base_quantization: str = "none", prompts_per_gpu: int = 128):
@@ -187,28 +166,64 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
             return out
 
         trainer.worker.call = traced_call
-        compile_s = [0.0]
+        worker = trainer.worker.obj
+        if worker.memory is not None and worker.memory.limit:  # XLA's account of the step's programs, per device
+            for row in worker.memory.rows():
+                emit(section="e2e_memory", preset=preset, lora_rank=lora_rank, **row)
+        with CompileSeconds() as compiles:
+            for step in range(steps):
+                compiles.reset()
+                t0 = time.perf_counter()
+                m = trainer.train_step(next(trainer.iterator), step)
+                wall = time.perf_counter() - t0
+                keep = {k: v for k, v in m.items() if k.startswith(("timing_s/", "perf/")) or k in (
+                    "response_length/mean", "response_length/max", "prompt_length/mean", "actor/grad_norm",
+                    "actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/score/mean")}
+                mesh = "x".join(f"{k}{v}" for k, v in trainer.worker.obj.mesh.shape.items() if v > 1) or "1"
+                pool = {f"kv/{k}": v for k, v in getattr(engine, "last_stats", {}).items()
+                        if k in ("num_pages", "kv_bytes", "preemptions", "row_steps", "tokens", "budget_source")}
+                emit(section="e2e", preset=preset, mesh=mesh, remat=remat, remat_used=worker.cfg.remat,
+                     lora_rank=lora_rank, base_quantization=base_quantization,
+                     decode_attention=decode_attention, step=step,
+                     kv_cache=kv_cache, device_peak_gb=device_gb(), **pool, devices=n_dev,
+                     processes=jax.process_count(), wall_s=wall, compile_s=compiles.seconds, prompts=n_prompts, n=n,
+                     budget=budget, **keep)
 
-        def on_duration(event, duration, compile_s=compile_s, **_):
-            if event.endswith("backend_compile_duration"):
-                compile_s[0] += duration
 
-        jax.monitoring.register_event_duration_secs_listener(on_duration)
-        for step in range(steps):
-            compile_s[0] = 0.0
-            t0 = time.perf_counter()
-            m = trainer.train_step(next(trainer.iterator), step)
-            wall = time.perf_counter() - t0
-            keep = {k: v for k, v in m.items() if k.startswith(("timing_s/", "perf/")) or k in (
-                "response_length/mean", "response_length/max", "prompt_length/mean", "actor/grad_norm", "actor/pg_loss",
-                "actor/kl_loss", "actor/entropy", "critic/score/mean")}
-            mesh = "x".join(f"{k}{v}" for k, v in trainer.worker.obj.mesh.shape.items() if v > 1) or "1"
-            pool = {f"kv/{k}": v for k, v in getattr(engine, "last_stats", {}).items()
-                    if k in ("num_pages", "kv_bytes", "preemptions", "row_steps", "tokens", "budget_source")}
-            emit(section="e2e", preset=preset, mesh=mesh, remat=remat, lora_rank=lora_rank,
-                 base_quantization=base_quantization,
-                 decode_attention=decode_attention, step=step,
-                 kv_cache=kv_cache, device_peak_gb=device_gb(), **pool, devices=n_dev,
-                 processes=jax.process_count(), wall_s=wall, compile_s=compile_s[0], prompts=n_prompts, n=n,
-                 budget=budget, **keep)
-        jax.monitoring.unregister_event_duration_listener(on_duration)
+@section("profile_update", help="a kernel profile of one GRPO actor update at the seed's shape (and of the log-prob "
+         "pass), top kernels and totals by kind", defaults={"train_presets": "qwen2p5_1p5b", "remat": "auto",
+                                                            "token_budget": 16384}, mem_fraction=TRAINER_MEM_FRACTION)
+def profile_update(opts):
+    """Builds the trainer's worker on one device (remat and token budget as given; `auto` is the trainer's
+    default), makes a synthetic seed-shaped batch (128 prompts x 5, the seed's response lengths), runs the
+    old-log-prob pass and two updates (compile, then timed), then traces a third update and the log-prob pass."""
+    from jaxrl_llm.trainer.worker import TrainerWorker
+
+    preset = "tiny" if opts.small else opts.train_presets.split(",")[0]
+    n_prompts, n, max_resp = (8, 2, 64) if opts.small else (128, 5, 1024)
+    budget = 2048 if opts.small else opts.token_budget
+    run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=budget, remat=opts.remat,
+                   small=opts.small, max_response=max_resp, max_prompt=64 if opts.small else 512)
+    worker = TrainerWorker(run, total_steps=10)
+    batch = synthetic_batch(n_prompts, n, max_resp, worker.cfg.vocab_size, max_prompt=run.data.max_prompt_length)
+    lp = worker.compute_log_prob(batch)
+    batch.fields["old_log_prob"] = lp["old_log_prob"]
+    batch.fields["ref_log_prob"] = lp["old_log_prob"]
+    worker.update_actor(batch, 0)  # compile
+    t0 = time.perf_counter()
+    metrics = worker.update_actor(batch, 1)
+    jax.block_until_ready(worker.actor_state["params"])
+    t_up = time.perf_counter() - t0
+    seqlens = batch.prompt_lengths + batch.response_lengths
+    flops = veRL_flops(worker.cfg, seqlens)
+    emit(section="update", preset=preset, remat=worker.cfg.remat, budget=run.actor.ppo_max_token_len_per_gpu,
+         tokens=int(seqlens.sum()), seconds=t_up, mfu_989=flops / t_up / 1e12 / 989.0,
+         grad_norm=metrics["actor/grad_norm"], peak_gb=device_gb(), pack_rows=worker.pack.rows,
+         pack_length=worker.pack.length)
+
+    def update():
+        worker.update_actor(batch, 2)
+        jax.block_until_ready(worker.actor_state["params"])
+
+    trace.profile(update, "update", opts.top)
+    trace.profile(lambda: worker.compute_log_prob(batch), "log_prob", opts.top)

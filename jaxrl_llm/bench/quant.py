@@ -1,7 +1,7 @@
 """The 8-bit frozen LoRA base against bf16 (`model.base_quantization`), on random weights of a preset.
 
-  python scripts/bench_quant.py [--presets qwen2p5_7b,qwen2p5_14b] [--kinds int8,fp8] [--rank 32]
-                                [--prompts 64] [--budget 32768] [--small]
+  python -m jaxrl_llm.bench --sections quant [--presets qwen2p5_7b,qwen2p5_14b] [--kinds int8,fp8]
+                            [--lora_rank 32] [--prompts 64] [--token_budget 32768] [--small]
 
 For each preset, the base drawn in bf16 with the model's normal init (`init_params`), then quantized as a
 run does it (`quant.quantize_base`):
@@ -11,25 +11,24 @@ run does it (`quant.quantize_base`):
              mean |log p_bf16(next) - log p_8bit(next)| and mean KL(p_bf16 || p_8bit) over the vocabulary,
              per token
   update     one LoRA actor fwd+bwd (the GRPO loss with the KL loss, remat "full") of a packed micro-batch
-             of `--budget` tokens (the seed's actor.ppo_max_token_len_per_gpu), rank `--rank` on every
-             linear layer, with each base; the compiled step's memory and the device's peak
-Like bench.py it runs on JAX's default platform (bench_lora_sync.py pins CPU for its vLLM half); a full
-preset refuses to run on a CPU. `--small` checks the script with the tiny preset on any platform.
+             of `--token_budget` tokens (the seed's actor.ppo_max_token_len_per_gpu), rank `--lora_rank` on
+             every linear layer, with each base; the compiled step's memory and the device's peak
+Rows: sections quant_memory, quant_gap, quant_update. It runs on JAX's default platform (lora_sync pins
+CPU for its vLLM half); a full preset refuses to run on a CPU. `--small` checks it with the tiny preset.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxrl_llm.bench.harness import compiled_gb, device_gb, emit, option, section, timeit
+from jaxrl_llm.bench.workload import gsm8k_prompts
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from scripts.bench_common import compiled_gb, device_gb, emit, gsm8k_prompts, timeit  # noqa: E402
+option("--kinds", default="int8,fp8", help="quant: 8-bit kinds to compare against bf16")
+option("--prompts", type=int, default=64, help="quant: GSM8K prompts for the log-prob gap")
+option("--seq", type=int, default=1024, help="quant: tokens a row of the timed micro-batch")
 
 
 def _tree_gb(tree) -> float:
@@ -77,11 +76,11 @@ def update_step(cfg, base, kind, spec, budget: int, seq: int):
     """(seconds of one fwd+bwd of a `budget`-token micro-batch, compiled GB) for a LoRA state on `base`."""
     from jaxrl_llm import sharding
     from jaxrl_llm.algorithms import LossNorm
+    from jaxrl_llm.bench.workload import synthetic_batch
     from jaxrl_llm.trainer import steps
     from jaxrl_llm.trainer.batch import PackShape, build_micro_batch
     from jaxrl_llm.trainer.model_state import ModelState
     from jaxrl_llm.trainer.optim import make_optimizer
-    from scripts.bench_train import synthetic_batch
 
     tx, _ = make_optimizer(1e-5, total_steps=10)
     mesh = sharding.make_mesh(fsdp=1, tensor=1)
@@ -113,49 +112,38 @@ def update_step(cfg, base, kind, spec, budget: int, seq: int):
         return timeit(step, iters=3), gb, state.frozen
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--presets", default="qwen2p5_7b,qwen2p5_14b")
-    ap.add_argument("--kinds", default="int8,fp8", help="8-bit kinds to compare against bf16")
-    ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--prompts", type=int, default=64, help="GSM8K prompts for the log-prob gap")
-    ap.add_argument("--budget", type=int, default=32768, help="tokens of the timed micro-batch")
-    ap.add_argument("--seq", type=int, default=1024, help="tokens a row of the timed micro-batch")
-    ap.add_argument("--small", action="store_true", help="the tiny preset, short shapes (checks the script on CPU)")
-    args = ap.parse_args()
+@section("quant", help="the 8-bit frozen LoRA base against bf16: memory, log-prob gap on GSM8K prompts, LoRA "
+         "fwd+bwd time", defaults={"presets": "qwen2p5_7b,qwen2p5_14b", "lora_rank": 32, "token_budget": 32768})
+def quant_section(args):
     from jaxrl_llm.models import PRESETS, init_params, quant
     from jaxrl_llm.models.lora import LoraSpec, resolve_targets
 
     presets = ["tiny"] if args.small else args.presets.split(",")
     if not args.small and jax.default_backend() == "cpu":
-        raise SystemExit("bench_quant.py: full presets need an accelerator (JAX's default platform is CPU here); "
-                         "use --small to check the script on a CPU")
-    budget, seq, n_prompts = (512, 128, 8) if args.small else (args.budget, args.seq, args.prompts)
-    spec = LoraSpec(rank=args.rank, alpha=2.0 * args.rank, targets=resolve_targets("all-linear"))
+        raise ValueError("quant: full presets need an accelerator (JAX's default platform is CPU here); use --small "
+                         "to check it on a CPU")
+    budget, seq, n_prompts = (512, 128, 8) if args.small else (args.token_budget, args.seq, args.prompts)
+    spec = LoraSpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=resolve_targets("all-linear"))
     for preset in presets:
         over = {"vocab_size": 151936} if args.small else {}
         cfg = PRESETS[preset](dtype="bfloat16", param_dtype="bfloat16", remat="full", **over)
         prompts = gsm8k_prompts(n_prompts, vocab_size=cfg.vocab_size)
         before = _in_use_gb()
         base = init_params(cfg, seed=0)  # the model's normal init (initializer_range), drawn in bf16
-        emit(section="memory", preset=preset, base="bfloat16", params_gb=_tree_gb(base),
+        emit(section="quant_memory", preset=preset, base="bfloat16", params_gb=_tree_gb(base),
              in_use_gb=_in_use_gb() - before, device=jax.devices()[0].device_kind)
         dt, gb, _ = update_step(cfg, base, "none", spec, budget, seq)
-        emit(section="update", preset=preset, base="bfloat16", rank=args.rank, tokens=budget, fwd_bwd_s=dt,
+        emit(section="quant_update", preset=preset, base="bfloat16", rank=args.lora_rank, tokens=budget, fwd_bwd_s=dt,
              compiled_gb=gb, device_peak_gb=device_gb())
         for kind in args.kinds.split(","):
             before = _in_use_gb()
             frozen = jax.jit(lambda b, kind=kind: quant.quantize_base(b, kind))(base)
-            emit(section="memory", preset=preset, base=kind, params_gb=_tree_gb(frozen),
+            emit(section="quant_memory", preset=preset, base=kind, params_gb=_tree_gb(frozen),
                  in_use_gb=_in_use_gb() - before, estimate_gb=quant.base_bytes(cfg, kind) / 1e9)
             dlogp, kl, tokens = logprob_gap(cfg, base, frozen, quant.apply(cfg, kind), prompts)
-            emit(section="gap", preset=preset, base=kind, tokens=tokens, mean_abs_dlogp=dlogp, mean_kl=kl)
+            emit(section="quant_gap", preset=preset, base=kind, tokens=tokens, mean_abs_dlogp=dlogp, mean_kl=kl)
             frozen = None
             dt, gb, _ = update_step(cfg, base, kind, spec, budget, seq)
-            emit(section="update", preset=preset, base=kind, rank=args.rank, tokens=budget, fwd_bwd_s=dt,
+            emit(section="quant_update", preset=preset, base=kind, rank=args.lora_rank, tokens=budget, fwd_bwd_s=dt,
                  compiled_gb=gb, device_peak_gb=device_gb())
         base = None
-
-
-if __name__ == "__main__":
-    main()

@@ -1,42 +1,44 @@
 """Qwen3-MoE on one GPU (issue 23): grouped matmul throughput, the actor update's MFU on active
 parameters, and decode tokens/s.
 
-  python scripts/bench_moe.py --out $OUT/moe.jsonl                  # Qwen3-30B-A3B's width, layers that fit
-  python scripts/bench_moe.py --preset tiny_moe --tokens 256 --rows 4 --new-tokens 8   # CPU smoke
+  python -m jaxrl_llm.bench --sections moe_grouped,moe_update,moe_decode --out $OUT   # Qwen3-30B-A3B's width
+  python -m jaxrl_llm.bench --sections moe_update --small --small_preset tiny_moe      # CPU smoke
 
-* grouped: one expert projection of T tokens routed top-k over E experts ([T k, D] x [E, D, I]) with
+* moe_grouped: one expert projection of T tokens routed top-k over E experts ([T k, D] x [E, D, I]) with
   the Pallas kernels (kernels/grouped_matmul.py, what models/moe.py runs on GPUs) and with
   `jax.lax.ragged_dot`, against a dense [T k, D] x [D, I] matmul of the same
   FLOPs and a capacity-padded batched matmul ([E, C, D] x [E, D, I], C = 1.25 T k / E, the GShard
   layout); forward, and forward + backward.
-* update: the GRPO actor step (models forward/backward through `trainer/steps.py`'s actor loss with the
+* moe_update: the GRPO actor step (models forward/backward through `trainer/steps.py`'s actor loss with the
   router loss on, then AdamW) on packed rows of random tokens; MFU counts active parameters
   (`veRL_flops`: k experts and the router a sparse layer).
-* decode: the paged JAX engine generating `--new-tokens` for `--rows` rows of random prompts.
+* moe_decode: the paged JAX engine generating `--new_tokens` for `--rows` rows of random prompts.
 
 The preset keeps its full width (128 experts, top-8 for Qwen3-30B-A3B); `--layers` (default: as many
 as the device memory holds for fp32 params + AdamW, and separately for bf16 decode) cuts the depth.
-Rows are JSON lines on stdout (and in `--out`).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxrl_llm.bench.harness import emit, generate_twice, option, section, timeit
+from jaxrl_llm.models.config import PRESETS
+from jaxrl_llm.trainer.metrics import peak_tflops, veRL_flops
+from kernels.grouped_matmul import grouped_matmul
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jaxrl_llm.models.config import PRESETS  # noqa: E402
-from jaxrl_llm.trainer.metrics import peak_tflops, veRL_flops  # noqa: E402
-from kernels.grouped_matmul import grouped_matmul  # noqa: E402
-from scripts.bench_common import ROWS, emit, generate_twice, timeit  # noqa: E402
+DEFAULTS = {"presets": "qwen3_30b_a3b", "remat": "full", "rows": "256"}
+option("--layers", type=int, default=0, help="moe_*: decoder layers (0: as many as fit)")
+option("--tokens", type=int, default=16384, help="moe_grouped: tokens routed")
+option("--update_rows", type=int, default=8, help="moe_update: packed rows")
+option("--update_length", type=int, default=2048, help="moe_update: tokens a row")
+option("--expert", type=int, default=1, help="moe_update: expert-parallel devices (train.mesh_expert)")
+option("--prompt_len", type=int, default=128, help="moe_decode: prompt tokens")
+option("--new_tokens", type=int, default=256, help="moe_decode: new tokens")
 
 
 def fitting_layers(cfg, bytes_per_param: float, reserve_gb: float) -> int:
@@ -78,9 +80,9 @@ def grouped(cfg, tokens: int, seed: int = 0):
             t_f = timeit(fwd, *args, iters=10, warm_s=0.5)
             t_b = timeit(bwd, *args, iters=10, warm_s=0.5)
         except Exception as err:  # ragged_dot's dense expansion runs out of memory at 16k tokens
-            emit(section="grouped", what=name, tokens=tokens, error=f"{type(err).__name__}: {str(err)[:200]}")
+            emit(section="moe_grouped", what=name, tokens=tokens, error=f"{type(err).__name__}: {str(err)[:200]}")
             continue
-        emit(section="grouped", what=name, tokens=tokens, experts=e, top_k=k, d=d, i=i, dtype=str(jnp.dtype(dt)),
+        emit(section="moe_grouped", what=name, tokens=tokens, experts=e, top_k=k, d=d, i=i, dtype=str(jnp.dtype(dt)),
              useful_gflop=flops / 1e9, fwd_ms=t_f * 1e3, fwd_tflops=flops / t_f / 1e12,
              fwd_bwd_ms=t_b * 1e3, fwd_bwd_tflops=3 * flops / t_b / 1e12, executed_gflop=f / 1e9)
 
@@ -138,7 +140,7 @@ def update(cfg, rows: int, length: int, seed: int = 0, expert: int = 1):
         times.append(time.perf_counter() - t0)
     dt = float(np.median(times))
     flops = veRL_flops(cfg, np.full(rows, length))
-    emit(section="update", layers=cfg.num_hidden_layers, expert=expert, devices=max(expert, 1), rows=rows,
+    emit(section="moe_update", layers=cfg.num_hidden_layers, expert=expert, devices=max(expert, 1), rows=rows,
          length=length, remat=cfg.remat, seconds=dt,
          tokens_per_s=rows * length / dt, active_params=cfg.num_params(active=True), total_params=cfg.num_params(),
          tflops=flops / dt / 1e12, mfu=flops / dt / 1e12 / peak_tflops() / max(expert, 1),
@@ -155,46 +157,39 @@ def decode(cfg, rows: int, new_tokens: int, prompt_len: int, seed: int = 0):
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(rows)]
     sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
     first, out, dt = generate_twice(eng, prompts, sp)
-    emit(section="decode", layers=cfg.num_hidden_layers, rows=rows, prompt_len=prompt_len, new_tokens=new_tokens,
+    emit(section="moe_decode", layers=cfg.num_hidden_layers, rows=rows, prompt_len=prompt_len, new_tokens=new_tokens,
          generated=int(out.lengths.sum()), seconds=dt, first_call_s=first, tokens_per_s=float(out.lengths.sum()) / dt)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="qwen3_30b_a3b", help="a MoE preset (tiny_moe for the CPU smoke test)")
-    p.add_argument("--layers", type=int, default=0, help="decoder layers (0: as many as fit)")
-    p.add_argument("--sections", default="grouped,update,decode")
-    p.add_argument("--tokens", type=int, default=16384, help="grouped: tokens routed")
-    p.add_argument("--update-rows", type=int, default=8)
-    p.add_argument("--update-length", type=int, default=2048)
-    p.add_argument("--remat", default="full", choices=("none", "full", "dots"))
-    p.add_argument("--expert", type=int, default=1, help="update: expert-parallel devices (train.mesh_expert)")
-    p.add_argument("--rows", type=int, default=256, help="decode: rows")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--out", default=None, help="append the JSON rows to this file")
-    args = p.parse_args()
-    ROWS.path, ROWS.stamp = args.out, True
-    base = PRESETS[args.preset]()
+def _base(opts):
+    preset = opts.small_preset if opts.small else opts.presets.split(",")[0]
+    base = PRESETS[preset]()
     if not base.is_moe:
-        raise SystemExit(f"--preset {args.preset!r} is not a mixture of experts; use qwen3_30b_a3b or tiny_moe")
-    sections = args.sections.split(",")
-    gpu = jax.default_backend() == "gpu"
-    if "grouped" in sections:
-        grouped(base, args.tokens)
-    if "update" in sections:
-        # fp32 params, AdamW mu/nu, the gradient accumulator and one step's gradient
-        layers = args.layers or fitting_layers(base, 20.0, reserve_gb=12.0)
-        cfg = base.replace(num_hidden_layers=layers, dtype="bfloat16" if gpu else "float32", param_dtype="float32",
-                           remat=args.remat, output_router_logits=True)
-        update(cfg, args.update_rows, args.update_length, expert=args.expert)
-    if "decode" in sections:
-        # bf16 weights twice (the initial params and the engine's copy); KV pages in the reserve
-        layers = args.layers or fitting_layers(base, 4.0, reserve_gb=16.0)
-        dt = "bfloat16" if gpu else "float32"
-        decode(base.replace(num_hidden_layers=layers, dtype=dt, param_dtype=dt), args.rows, args.new_tokens,
-               args.prompt_len)
+        raise ValueError(f"--presets {preset!r} is not a mixture of experts; use qwen3_30b_a3b or tiny_moe")
+    return base, "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
 
-if __name__ == "__main__":
-    main()
+@section("moe_grouped", help="one expert projection: the Pallas grouped matmul and ragged_dot against a dense matmul "
+         "of the same FLOPs and a capacity-padded bmm", defaults=DEFAULTS)
+def moe_grouped(opts):
+    grouped(_base(opts)[0], opts.tokens)
+
+
+@section("moe_update", help="the GRPO actor update (grad step + AdamW) on a MoE at its full width, MFU on active "
+         "parameters", defaults=DEFAULTS)
+def moe_update(opts):
+    base, dt = _base(opts)
+    # fp32 params, AdamW mu/nu, the gradient accumulator and one step's gradient
+    layers = opts.layers or fitting_layers(base, 20.0, reserve_gb=12.0)
+    cfg = base.replace(num_hidden_layers=layers, dtype=dt, param_dtype="float32", remat=opts.remat,
+                       output_router_logits=True)
+    update(cfg, opts.update_rows, opts.update_length, expert=opts.expert)
+
+
+@section("moe_decode", help="the paged engine decoding a MoE at its full width: tokens/s", defaults=DEFAULTS)
+def moe_decode(opts):
+    base, dt = _base(opts)
+    # bf16 weights twice (the initial params and the engine's copy); KV pages in the reserve
+    layers = opts.layers or fitting_layers(base, 4.0, reserve_gb=16.0)
+    decode(base.replace(num_hidden_layers=layers, dtype=dt, param_dtype=dt), int(opts.rows), opts.new_tokens,
+           opts.prompt_len)

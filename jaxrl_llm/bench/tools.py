@@ -1,6 +1,6 @@
 """Tool-side costs of agentic rollouts: ToolRunner throughput and the sandbox's start-up time.
 
-    PYTHONPATH=. python scripts/bench_tools.py [--sessions 1024] [--sandbox_runs 10]
+    python -m jaxrl_llm.bench --sections tools [--sessions 1024] [--sandbox_runs 10]
 
 1. ToolRunner: `--sessions` trajectories each make one call in the same turn (as one rollout step's
    tool turn does), for a sync tool (the worker pool) and an async one (the event loop); calls per
@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
@@ -20,6 +19,11 @@ import time
 from jaxrl_llm.agent.builtin_tools import multiply
 from jaxrl_llm.agent.sandbox import SandboxLimits, run_python
 from jaxrl_llm.agent.tools import ToolCall, ToolRunner
+from jaxrl_llm.bench.harness import emit, option, section
+
+option("--sessions", type=int, default=1024, help="tools: trajectories calling in one turn")
+option("--max_workers", type=int, default=32, help="tools: the runner's worker threads")
+option("--sandbox_runs", type=int, default=10, help="tools: sandboxed runs timed")
 
 
 async def async_multiply(a: int, b: int) -> int:
@@ -40,8 +44,8 @@ def bench_runner(sessions: int, max_workers: int) -> None:
                 assert all(r.error is None for r in results)
                 for s in opened:
                     s.release()
-            print(f"runner  {tool.__name__:15s} {sessions} calls in one turn: {seconds:.3f} s "
-                  f"({sessions / seconds:,.0f} calls/s, max_workers={max_workers})")
+            emit(section="tools", what="runner", tool=tool.__name__, calls=sessions, seconds=seconds,
+                 calls_per_s=sessions / seconds, max_workers=max_workers)
 
 
 def bench_sandbox(runs: int) -> None:
@@ -51,21 +55,12 @@ def bench_sandbox(runs: int) -> None:
         assert result.ok and result.stdout == "1\n", result.text()
         times.append(result.seconds)
     times = times[1:]  # the first pays for the one-off checks (can `nobody` run it, a pids cgroup)
-    print(f"sandbox run_python('print(1)') x{runs}: median {statistics.median(times):.3f} s, max {max(times):.3f} s;"
-          f" network_isolated={result.network_isolated} pid_namespace={result.pid_namespace}"
-          f" note={result.isolation_note or '-'!r} ({sys.executable})")
+    emit(section="tools", what="sandbox run_python('print(1)')", runs=runs, median_s=statistics.median(times),
+         max_s=max(times), network_isolated=result.network_isolated, pid_namespace=result.pid_namespace,
+         note=result.isolation_note or "-", python=sys.executable)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=1024)
-    parser.add_argument("--max_workers", type=int, default=32)
-    parser.add_argument("--sandbox_runs", type=int, default=10)
-    args = parser.parse_args(argv)
+@section("tools", help="tool-side costs of agentic rollouts: ToolRunner throughput, the sandbox's start-up")
+def tools(args) -> None:
     bench_runner(args.sessions, args.max_workers)
     bench_sandbox(args.sandbox_runs)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,27 +1,27 @@
-"""The PyTorch side of the benchmark: transformers peers, and the fp32 parity reference.
+"""The PyTorch side of the benchmarks (section `torch`): transformers peers, and the fp32 parity reference.
 
-Run before `scripts/bench.py` in the same GPU session (it exits and frees the GPU for JAX):
-  python scripts/bench_torch.py --out /tmp/torch_bench --sections parity,generate,train
+Run it as a command of its own before the JAX sections, in the same GPU session (it exits and frees the GPU):
+  python -m jaxrl_llm.bench --sections torch --out /tmp/torch_bench [--torch_sections parity,generate,train]
+  python -m jaxrl_llm.bench --sections ceilings,parity,rollout --torch_results /tmp/torch_bench --out $OUT
 
 * parity: a random Qwen2.5-1.5B-shaped `Qwen2ForCausalLM`, saved with `save_pretrained`, and its
-  fp32 logits (TF32 off) on left-padded GSM8K prompts, for bench.py's parity section.
+  fp32 logits (TF32 off) on left-padded GSM8K prompts, for the JAX side's parity section.
 * generate: `model.generate` tokens/s at the rollout shapes (sampling, T = 1, EOS off).
 * train: fwd + bwd + AdamW steps (bf16 autocast, gradient checkpointing), as in PEERS.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxrl_llm.bench.harness import emit, option, section
+from jaxrl_llm.bench.workload import gsm8k_prompts, hf_config_dict
 
-from scripts.bench_common import gsm8k_prompts, hf_config_dict  # noqa: E402
+option("--torch_sections", default="parity,generate,train", help="torch: which of parity, generate, train")
 
 DEVICE = "cuda"
 
@@ -157,30 +157,26 @@ def train(preset: str, batch: int, seq: int, steps: int = 6) -> dict:
             "seconds": dt, "tokens_per_s": batch * seq / dt, "peak_gb": peak}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="parity,generate,train")
-    ap.add_argument("--small", action="store_true", help="tiny shapes on the CPU, to smoke-test the script")
-    args = ap.parse_args()
+@section("torch", help="transformers peers (generate, train) and the fp32 parity reference, in torch; a command "
+         "of its own", defaults={}, uses_jax=False)
+def torch_section(args) -> None:
     global DEVICE
     import torch
 
     DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     big = not args.small
-    os.makedirs(args.out, exist_ok=True)
-    sections = args.sections.split(",")
+    sections = args.torch_sections.split(",")
     results = []
 
     def run(fn, *a):
         try:
             rows = fn(*a)
             for r in rows if isinstance(rows, list) else [rows]:
-                print(json.dumps(r), flush=True)
+                emit(**r)
                 results.append(r)
         except Exception as e:  # keep the other measurements
             print(f"FAILED {fn.__name__}{a}: {type(e).__name__}: {e}", flush=True)
-            results.append({"section": fn.__name__, "args": list(map(str, a)), "error": f"{type(e).__name__}: {e}"})
+            results.append(emit(section=fn.__name__, args=list(map(str, a)), error=f"{type(e).__name__}: {e}"))
 
     if big:
         run(ceilings)
@@ -193,9 +189,5 @@ def main() -> None:
     if "train" in sections:
         for preset, b, s in ((("qwen2p5_0p5b", 32, 512), ("qwen2p5_1p5b", 16, 512)) if big else (("tiny", 4, 64),)):
             run(train, preset, b, s)
-    with open(os.path.join(args.out, "torch_results.json"), "w") as f:
+    with open(os.path.join(args.out, "torch_results.json"), "w") as f:  # what --torch_results reads
         json.dump(results, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()

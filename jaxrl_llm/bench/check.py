@@ -1,0 +1,194 @@
+"""The GPU check: the recorded headline configs, each a list of benchmark sections run in a child process
+with a timeout, compared with the figures recorded for this device kind in benchmarks/baselines.json.
+
+A result row is {config, figure, recorded, ratio, ok} (plus unit, source and error): `figure` is the measured
+value, `ratio` figure / recorded (time: higher is slower), and `ok` is False on an out-of-memory, an error, a
+missing row, or a figure more than `tolerance` (10%) worse than recorded. A figure with nothing recorded for
+the device kind is ok when it was measured (ratio None); `--record` writes such figures into the baselines.
+One config failing does not stop the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+from jaxrl_llm.bench.harness import REPO, commit
+
+BASELINES = os.path.join(REPO, "benchmarks", "baselines.json")
+E2E = ("--sections", "e2e", "--remat", "auto", "--token_budget", "16384", "--steps", "2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """A measured figure: the value under `key` in the first row that has every item of `row`."""
+
+    name: str
+    row: dict
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One child process: `python -m jaxrl_llm.bench *args`, its figures, and its expected seconds on a cold
+    compilation cache (what the time budget plans with; the timeout is 1.5 times it)."""
+
+    name: str
+    args: tuple[str, ...]
+    figures: tuple[Figure, ...]
+    expected_s: float
+
+
+def _step1(key: str, name: str) -> Figure:
+    return Figure(name, {"section": "e2e", "step": 1}, key)
+
+
+CONFIGS = (  # the order they run in: the 7B LoRA step first (issue 32's regression)
+    Config("e2e_7b_lora32", E2E + ("--train_presets", "qwen2p5_7b", "--lora_rank", "32"),
+           (_step1("wall_s", "e2e_7b_lora32_step_s"), _step1("timing_s/gen", "gen_7b_seed_share_in_step_s")), 260),
+    Config("e2e_1p5b", E2E + ("--train_presets", "qwen2p5_1p5b"), (_step1("wall_s", "e2e_1p5b_step_s"),), 150),
+    Config("moe_update", ("--sections", "moe_update", "--layers", "3"),
+           (Figure("moe_update_3_layers_s", {"section": "moe_update", "layers": 3}, "seconds"),), 90),
+    Config("e2e_qwen3_1p7b", E2E + ("--train_presets", "qwen3_1p7b"), (_step1("wall_s", "e2e_qwen3_1p7b_step_s"),),
+           160),
+    Config("gen_qwen3_8b", ("--sections", "gen", "--presets", "qwen3_8b", "--engines", "paged", "--repeats", "1"),
+           (Figure("gen_qwen3_8b_seed_share_s", {"section": "gen", "rep": 1}, "seconds"),), 290),
+    Config("gen_7b", ("--sections", "gen", "--presets", "qwen2p5_7b", "--engines", "paged", "--repeats", "1"),
+           (Figure("gen_7b_seed_share_s", {"section": "gen", "rep": 1}, "seconds"),), 200),
+)
+DEFAULT = ("e2e_7b_lora32", "e2e_1p5b", "moe_update", "e2e_qwen3_1p7b", "gen_qwen3_8b")
+
+
+def load_baselines(path: str = BASELINES) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def find(rows: list[dict], fig: Figure):
+    """(value, error): the figure's value in `rows`, or None and why not."""
+    for r in rows:
+        if all(r.get(k) == v for k, v in fig.row.items()) and fig.key in r:
+            return r[fig.key], None
+    errors = [r["error"] for r in rows if "error" in r]
+    return None, (errors[0] if errors else f"no row with {fig.row} and {fig.key!r}")
+
+
+def compare(fig: Figure, value, error, device: str, baselines: dict, source_run: str) -> dict:
+    """One result row: the measured figure against the recorded one for `device`."""
+    spec = baselines["figures"].get(fig.name, {})
+    rec = spec.get("recorded", {}).get(device)
+    row = {"config": fig.name, "figure": value, "recorded": rec["value"] if rec else None, "ratio": None,
+           "unit": spec.get("unit", "s"), "run": source_run}
+    if error is not None or value is None:
+        return {**row, "ok": False, "error": str(error)[:500]}
+    if rec is None:
+        return {**row, "ok": True, "note": f"nothing recorded for {device}"}
+    ratio = value / rec["value"]
+    worse = ratio > 1 + baselines["tolerance"] if spec.get("better", "lower") == "lower" else \
+        ratio < 1 - baselines["tolerance"]
+    return {**row, "ratio": round(ratio, 3), "ok": not worse, "source": rec.get("source")}
+
+
+def run_config(cfg: Config, out_dir: str, timeout_s: float, compile_cache: str):
+    """Runs `cfg` in a child process; (its rows, its device kind or None, an error or None)."""
+    out = os.path.join(out_dir, cfg.name)
+    cmd = [sys.executable, "-m", "jaxrl_llm.bench", *cfg.args, "--out", out, "--compile_cache", compile_cache]
+    error = None
+    with open(os.path.join(out_dir, f"{cfg.name}.log"), "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            error = f"process exited {rc}" if rc else None
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {timeout_s:.0f} s"
+    path = os.path.join(out, "bench.json")
+    if not os.path.exists(path):
+        return [], None, error or "no results written"
+    with open(path) as f:
+        got = json.load(f)
+    return got["results"], got["meta"].get("device"), error
+
+
+def gpu_name() -> str:
+    """The first GPU's name as nvidia-smi gives it (jax's device_kind), without starting JAX here: this process
+    must not hold the memory its configs' processes need."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True)
+    except FileNotFoundError:  # no NVIDIA driver here
+        return "unknown"
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def check(names, *, out_dir: str, budget_s: float, compile_cache: str, baselines: dict) -> tuple[str, list[dict]]:
+    """Runs the configs `names` in order within `budget_s` seconds; (the device kind, the result rows of all
+    their figures)."""
+    t_end = time.monotonic() + budget_s
+    device, results = gpu_name(), []
+    for cfg in (c for c in CONFIGS if c.name in names):
+        left = t_end - time.monotonic()
+        if left < cfg.expected_s:
+            for fig in cfg.figures:
+                results.append(compare(fig, None, f"not run: {left:.0f} s of the time budget left, it takes about "
+                                                  f"{cfg.expected_s:.0f} s (run it alone with --configs {cfg.name})",
+                                       device, baselines, cfg.name))
+            continue
+        t0 = time.monotonic()
+        rows, kind, error = run_config(cfg, out_dir, min(1.5 * cfg.expected_s, left), compile_cache)
+        device = kind or device
+        print(f"gpu_check: {cfg.name} in {time.monotonic() - t0:.0f} s{f' ({error})' if error else ''}", flush=True)
+        for fig in cfg.figures:
+            value, missing = find(rows, fig)
+            results.append(compare(fig, value, error or (missing if value is None else None), device, baselines,
+                                   cfg.name))
+            print("gpu_check:", json.dumps(results[-1]), flush=True)
+    return device, results
+
+
+def report_path(date: str, sha: str) -> str:
+    return os.path.join(REPO, "benchmarks", "runs", date, f"gpu_check_{sha}.json")
+
+
+def write_report(results: list[dict], device: str, path: str | None = None) -> str:
+    date = datetime.date.today().isoformat()
+    sha = commit()
+    path = path or report_path(date, sha)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": {"date": date, "device": device, "commit": sha}, "results": results}, f, indent=1)
+    return path
+
+
+def merge(paths: list[str]) -> dict:
+    """Reports of one device and commit in several calls as one: a later row of a figure replaces an earlier."""
+    reports = []
+    for p in paths:
+        with open(p) as f:
+            reports.append(json.load(f))
+    metas = {(r["meta"]["device"], r["meta"]["commit"]) for r in reports}
+    if len(metas) != 1:
+        raise ValueError(f"gpu_check --merge: the reports are of different devices or commits: {sorted(metas)}")
+    by_figure: dict[str, dict] = {}
+    for r in reports:
+        for row in r["results"]:
+            by_figure[row["config"]] = row
+    return {"meta": reports[-1]["meta"], "results": list(by_figure.values())}
+
+
+def record(results: list[dict], device: str, baselines: dict, report: str, path: str = BASELINES) -> list[str]:
+    """Writes the figures measured here that have nothing recorded for `device`; returns their names."""
+    added = []
+    for row in results:
+        spec = baselines["figures"].get(row["config"])
+        if spec is None or not row["ok"] or row["figure"] is None or device in spec["recorded"]:
+            continue
+        spec["recorded"][device] = {"value": round(row["figure"], 4), "source": os.path.relpath(report, REPO)}
+        added.append(row["config"])
+    with open(path, "w") as f:
+        json.dump(baselines, f, indent=1)
+        f.write("\n")
+    return added

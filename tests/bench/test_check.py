@@ -1,0 +1,71 @@
+"""The GPU check's logic on a CPU: figures found in a config's rows, compared with the recorded ones, reports
+merged and recorded; a config runs in its own process, and one that would overrun the budget is reported,
+not started. (Its timings on a GPU are the check's own business, never a test's.)"""
+
+import json
+import os
+
+from jaxrl_llm.bench import check
+from jaxrl_llm.bench.check import Config, Figure
+
+BASE = {"tolerance": 0.1, "figures": {"step_s": {"unit": "s", "better": "lower",
+                                                 "recorded": {"GPU": {"value": 10.0, "source": "run.json"}}}}}
+STEP = Figure("step_s", {"section": "e2e", "step": 1}, "wall_s")
+
+
+def test_a_figure_is_ok_within_the_tolerance_and_not_past_it_or_on_an_error():
+    rows = [{"section": "e2e", "step": 0, "wall_s": 99.0}, {"section": "e2e", "step": 1, "wall_s": 10.9}]
+    value, error = check.find(rows, STEP)
+    assert (value, error) == (10.9, None)
+    row = check.compare(STEP, value, None, "GPU", BASE, "e2e")
+    assert row["ok"] and row["ratio"] == 1.09 and row["recorded"] == 10.0 and row["figure"] == 10.9
+    assert not check.compare(STEP, 11.2, None, "GPU", BASE, "e2e")["ok"]  # 12% slower
+    assert check.compare(STEP, 11.2, None, "Other GPU", BASE, "e2e")["ok"]  # nothing recorded there
+    oom = [{"section": "e2e", "error": "XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory"}]
+    value, error = check.find(oom, STEP)
+    row = check.compare(STEP, value, error, "GPU", BASE, "e2e")
+    assert not row["ok"] and "RESOURCE_EXHAUSTED" in row["error"]
+
+
+def test_the_baselines_cover_the_configs_and_name_runs_that_exist():
+    baselines = check.load_baselines()
+    figures = {f.name for c in check.CONFIGS for f in c.figures}
+    assert figures == set(baselines["figures"])
+    assert set(check.DEFAULT) <= {c.name for c in check.CONFIGS}
+    for name, spec in baselines["figures"].items():
+        for device, rec in spec["recorded"].items():
+            run = rec["source"].split(" ")[0]
+            assert os.path.exists(os.path.join(check.REPO, run)), (name, device, run)
+            assert rec["value"] > 0
+
+
+def test_reports_merge_and_new_figures_are_recorded(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    meta = {"date": "2026-11-27", "device": "GPU", "commit": "abc"}
+    a.write_text(json.dumps({"meta": meta, "results": [{"config": "x", "ok": False, "error": "not run"},
+                                                       {"config": "y", "ok": True}]}))
+    b.write_text(json.dumps({"meta": meta, "results": [{"config": "x", "ok": True, "figure": 3.0}]}))
+    merged = check.merge([str(a), str(b)])
+    assert merged["results"] == [{"config": "x", "ok": True, "figure": 3.0}, {"config": "y", "ok": True}]
+    path = tmp_path / "baselines.json"
+    base = json.loads(json.dumps(BASE))
+    added = check.record([{"config": "step_s", "ok": True, "figure": 9.5}], "New GPU", base, str(tmp_path / "r.json"),
+                         path=str(path))
+    written = json.loads(path.read_text())["figures"]["step_s"]["recorded"]
+    assert added == ["step_s"] and written["New GPU"]["value"] == 9.5
+    assert check.record([{"config": "step_s", "ok": True, "figure": 1.0}], "GPU", base, "r", path=str(path)) == []
+
+
+def test_a_config_runs_in_its_own_process_and_one_past_the_budget_is_not_started(tmp_path, monkeypatch):
+    fwd = Figure("fwd_ms", {"section": "logprob", "impl": "chunked"}, "fwd_ms")
+    configs = (Config("logprob", ("--sections", "logprob", "--small"), (fwd,), 60),
+               Config("slow", ("--sections", "logprob", "--small"), (Figure("slow_ms", {"section": "logprob"}, "x"),),
+                      10**6))
+    monkeypatch.setattr(check, "CONFIGS", configs)
+    base = {"tolerance": 0.1, "figures": {"fwd_ms": {"recorded": {}}, "slow_ms": {"recorded": {}}}}
+    device, rows = check.check(["logprob", "slow"], out_dir=str(tmp_path), budget_s=300, compile_cache="",
+                               baselines=base)
+    assert device == "cpu"
+    assert rows[0]["config"] == "fwd_ms" and rows[0]["ok"] and rows[0]["figure"] > 0
+    assert not rows[1]["ok"] and rows[1]["error"].startswith("not run:") and "--configs slow" in rows[1]["error"]
+    assert (tmp_path / "logprob.log").exists()
