@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     created = False
     try:
         run = parse_config(args.gin_file, args.gin_param)
+        simulate_async_devices(run)
         run_dir = run.trainer.run_dir
         # Checked before the processes join, so no other process of this run has made it yet.
         created = not os.path.exists(run_dir) and spec.process_id == 0
@@ -208,6 +209,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 2
     return 0
+
+
+def simulate_async_devices(run) -> None:
+    """An async run on a CPU needs a device for the rollout beside the trainer's: unless XLA_FLAGS says otherwise,
+    the CPU backend gets as many simulated devices as the split asks for (no effect on a GPU backend)."""
+    a, r, t = run.async_training, run.rollout, run.trainer
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not a.enabled or "xla_force_host_platform_device_count" in flags or not t.n_gpus_per_node:
+        return
+    count = r.n_gpus_per_node * r.nnodes + t.n_gpus_per_node * t.nnodes
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def _is_stub(run_dir: str) -> bool:

@@ -79,6 +79,9 @@ class RolloutBatch:
     # sparse layer, -1 past the sequence and for the last response token (never fed to the model). P is
     # the longest prompt.
     routed_experts: np.ndarray | None = None
+    # [R, T] int32: the weights' version that sampled each token (the JAX engines; 0 on padding), which an
+    # asynchronous trainer reads for staleness
+    token_versions: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -71,9 +71,10 @@ class EngineMemory:
         if have is not None and (not self._must_resize(have, want) or (held and want.source == have.source
                                                                        == "gpu_memory_utilization")):
             return have
-        if have is not None:
-            log.warning("paged engine: the KV pool goes from %d to %d pages a shard (%s); its programs are built "
-                        "again", have.num_pages, want.num_pages, want.source)
+        if have is not None:  # a shrink under memory pressure is worth a warning; an unbounded pool's growth is not
+            (log.warning if want.source == "gpu_memory_utilization" else log.info)(
+                "paged engine: the KV pool goes from %d to %d pages a shard (%s); its programs are built again",
+                have.num_pages, want.num_pages, want.source)
             self.release()
         self._budget = want
         return want

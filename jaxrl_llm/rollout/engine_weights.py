@@ -83,18 +83,23 @@ class EngineWeights:
     def update_weights(self, params, *, step: int | None = None) -> int:
         """Casts and reshards trainer params into the engine layout, in device memory. `params` may also be
         an 8-bit base with pre-scaled adapters (`ModelState.engine_params`), on the engine's devices."""
+        # The old weights go first: the conversion's output is a new copy of every layer (the decode
+        # layout unstacks and fuses them), so keeping both would hold two engine copies at the peak.
+        self.params = None
+        self.params = self.convert(params)
+        self.version = self.version + 1 if step is None else step
+        return self.version
+
+    def convert(self, params):
+        """Trainer params (on any devices) in the engine layout on the engine's devices, as a new tree (the
+        engine's own weights untouched: a rollout stream stages them while its shards decode)."""
         engine_devices = set(self.mesh.devices.flat) if self.mesh is not None else {jax.devices()[0]}
         if any(set(x.sharding.device_set) != engine_devices for x in jax.tree.leaves(params)):
             # Trainer and engine on different devices: one device-to-device transfer into the
             # trainer-style layout on the engine's devices, then the same conversion.
             params = jax.device_put(params, param_shardings(self.cfg, self.mesh))
-        # The old weights go first: the conversion's output is a new copy of every layer (the decode
-        # layout unstacks and fuses them), so keeping both would hold two engine copies at the peak.
-        self.params = None
         with self._mesh_ctx():
-            self.params = self._convert(params)
-        self.version = self.version + 1 if step is None else step
-        return self.version
+            return self._convert(params)
 
     def release_weights(self) -> None:
         """Drops the engine's weights until the next `update_weights`, so the trainer's update has their memory

@@ -156,7 +156,7 @@ class JaxEngine(EngineMemory, EngineWeights):
             s.set_params(None)
         version = super().update_weights(params, step=step)
         for s in self.local_shards:
-            s.set_params(self.params)
+            s.set_params(self.params, version)
         return version
 
     def release_weights(self) -> None:
@@ -277,34 +277,20 @@ class JaxEngine(EngineMemory, EngineWeights):
         """
         n = sampling.n
         row_max = row_budgets(max_new_tokens_per_row, len(prompts) * n, sampling.max_new_tokens)
-        # The rows' budgets are an input of the programs, not part of their key.
-        spec = dataclasses.replace(self._request_spec(prompts, sampling, row_max), max_new_tokens=0)
+        spec = self.paged_spec(prompts, sampling, row_max)
         streams = row_streams(seeds, len(prompts) * n)
         store = RowStore(len(prompts) * n, int(row_max.max()), spec.pad_id)
-        ids = [np.asarray(p, np.int32) for p in prompts]
-        rows = [Row(rid=i * n + j, prompt=i, ids=ids[i], max_tokens=int(row_max[i * n + j]), store=store,
-                    stream=int(streams[i * n + j])) for i in range(len(prompts)) for j in range(n)]
-        if spec.record_routing:
-            for r in rows:
-                r.routes = np.full((len(r.ids) + r.max_tokens, spec.num_moe_layers, spec.moe_top_k), -1, np.int32)
+        rows = make_rows(prompts, n, row_max, streams, store, key_data(sampling.seed), spec)
         longest_row = max(rows, key=lambda r: len(r.ids) + r.max_tokens)
         longest = len(longest_row.ids) + longest_row.max_tokens - 1  # positions a row writes at most
-        self._fix_width(longest)
         before = dict(self._programs_for().stats)
         t0 = time.perf_counter()
         shard_stats: list[dict] = []
         try:
-            with jax.set_mesh(self.mesh):
-                budget = self._pool_budget(len(rows), longest)
-            self._check_fits(budget, longest, len(longest_row.ids), longest_row.max_tokens)
-            self._warm(spec, len(rows), budget.num_pages)
-            for s in self.local_shards:
-                if s.pool is None:
-                    s.alloc(budget.num_pages, spec)
-            key = np.asarray(jax.random.key_data(jax.random.key(sampling.seed))).view(np.int32).reshape(-1)
+            budget = self.prepare(spec, len(rows), longest, len(longest_row.ids), longest_row.max_tokens)
             groups = [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
             dealer = Dealer(deal(groups, len(self.shards)), [s.index for s in self.local_shards], steal=self._steal)
-            shard_stats = self._run_shards(dealer, spec, key)
+            shard_stats = self.run_shards(dealer, spec)
         finally:
             if self.free_cache_engine:
                 self.release()
@@ -313,15 +299,34 @@ class JaxEngine(EngineMemory, EngineWeights):
         self.last_stats = self._stats(shard_stats, budget, dealer, before, time.perf_counter() - t0, store)
         return self._result(rows, store, len(prompts), n, spec)
 
-    def _run_shards(self, dealer: Dealer, spec, key: np.ndarray) -> list[dict]:
+    def paged_spec(self, prompts, sampling: SamplingParams, row_max: np.ndarray):
+        """The request's decode spec, checked before any work; the rows' budgets are an input of the programs,
+        not part of their key."""
+        return dataclasses.replace(self._request_spec(prompts, sampling, row_max), max_new_tokens=0)
+
+    def prepare(self, spec, rows: int, longest: int, prompt_len: int, max_new: int):
+        """Before any work: the table width and the pools' size (refusing what cannot fit), the programs built,
+        each local shard's pool allocated. Returns the pools' budget."""
+        self._fix_width(longest)
+        with jax.set_mesh(self.mesh):
+            budget = self._pool_budget(rows, longest)
+        self._check_fits(budget, longest, prompt_len, max_new)
+        self._warm(spec, rows, budget.num_pages)
+        for s in self.local_shards:
+            if s.pool is None:
+                s.alloc(budget.num_pages, spec)
+        return budget
+
+    def run_shards(self, dealer: Dealer, spec, hooks=None) -> list[dict]:
         """Runs every local shard to the end, each on its own thread; the first failure stops the others."""
         stop = threading.Event()
 
         def one(shard: Shard) -> dict:
             try:
-                return shard.run(dealer.source(shard.index), spec, key, stop)
+                return shard.run(dealer.source(shard.index), spec, stop, hooks)
             except BaseException:
                 stop.set()
+                dealer.close()  # wakes shards that wait for rows
                 raise
 
         if len(self.local_shards) == 1:
@@ -378,7 +383,8 @@ class JaxEngine(EngineMemory, EngineWeights):
         reasons = np.where(np.isin(last, np.asarray(spec.stop_ids, np.int32)), "stop", "length").tolist()
         return RolloutBatch(prompt_index=np.repeat(np.arange(num_prompts), n), tokens=tokens, logprobs=logps,
                             lengths=lengths, finish_reasons=reasons, weight_version=self.version,
-                            routed_experts=routed_experts_of_rows(rows, width) if spec.record_routing else None)
+                            routed_experts=routed_experts_of_rows(rows, width) if spec.record_routing else None,
+                            token_versions=np.where(mask, store.versions[:, :width], 0).astype(np.int32))
 
     def _fix_width(self, longest: int) -> None:
         """The block tables' width, from `max_model_len` (fixed), or grown to cover the longest row so far."""
@@ -394,6 +400,23 @@ class JaxEngine(EngineMemory, EngineWeights):
             self.ladders = Ladders(width=need, page_size=self.page_size, num_heads=self.cfg.num_attention_heads,
                                    max_batched_tokens=self.max_num_batched_tokens,
                                    max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs)
+
+
+def key_data(seed: int) -> np.ndarray:
+    """[2] int32: the PRNG key of `seed` as the decode programs take it (bit-cast uint32 words)."""
+    return np.asarray(jax.random.key_data(jax.random.key(seed))).view(np.int32).reshape(-1)
+
+
+def make_rows(prompts, n: int, row_max: np.ndarray, streams: np.ndarray, store: RowStore, key: np.ndarray,
+              spec, first: int = 0) -> list[Row]:
+    """The response rows of `prompts` (prompt-major; row ids from `first`), each with its budget, stream and key."""
+    ids = [np.asarray(p, np.int32) for p in prompts]
+    rows = [Row(rid=first + i * n + j, prompt=first // n + i, ids=ids[i], max_tokens=int(row_max[i * n + j]),
+                store=store, stream=int(streams[i * n + j]), key=key) for i in range(len(prompts)) for j in range(n)]
+    if spec.record_routing:
+        for r in rows:
+            r.routes = np.full((len(r.ids) + r.max_tokens, spec.num_moe_layers, spec.moe_top_k), -1, np.int32)
+    return rows
 
 
 def _check(ok: bool, key: str, msg: str) -> None:

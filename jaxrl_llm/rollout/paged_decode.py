@@ -170,7 +170,8 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
       pool: list of (k, v) [K, P, ps, H] (donated).
       tables: [S, W] int32 block tables; pos, last, t, row_max: [S] int32; active: [S] bool;
       rids: [S] int32 response ids (seed each row's stream); scratch: [S] int32 the slot's scratch page;
-      key: the request's PRNG key; seg_len, stop_free: int32 scalars (seg_len <= max_seg).
+      key: the request's PRNG key, or [S] keys (each row its request's); seg_len, stop_free: int32 scalars
+        (seg_len <= max_seg).
     Returns:
       (pool, out) with out = dict(tokens [S, max_seg], logps [S, max_seg], count [S], active [S], steps),
       and (`spec.record_routing`) routing [S, max_seg, L_moe, k]: step j's fed token's experts.
@@ -178,7 +179,7 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
     s = tables.shape[0]
     ps = pool[0][0].shape[2]
     w = tables.shape[1]
-    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, rids)
+    row_keys = jax.vmap(jax.random.fold_in, (None if key.ndim == 0 else 0, 0))(key, rids)
     key_pos = jnp.arange(w * ps, dtype=jnp.int32)
 
     def cond(c):
@@ -247,8 +248,9 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
 
 # ---- packed inputs: one host-to-device copy a call ---------------------------------------------------------
 # A decode segment's inputs, [S, W + DECODE_COLS] int32: each slot's block table, then its position, pending token,
-# tokens so far, budget, active flag and stream; the segment's length, its stop rule and the request's PRNG key
-# data (two uint32 words, bit-cast) repeat down the last four columns.
+# tokens so far, budget, active flag and stream; the segment's length and its stop rule (repeated down their two
+# columns); and each row's request's PRNG key data (two uint32 words, bit-cast), so rows of several requests
+# (a stream's steps, each with its seed) share a segment.
 DECODE_COLS = 10
 
 
@@ -256,9 +258,9 @@ def decode_packed(eparams, pool, packed, *, spec: DecodeSpec, max_seg: int):
     """`decode_segment` on the packed inputs of one shard (see DECODE_COLS)."""
     w = packed.shape[1] - DECODE_COLS
     col = lambda i: packed[:, w + i]
-    key = jax.random.wrap_key_data(jax.lax.bitcast_convert_type(packed[0, w + 8: w + 10], jnp.uint32))
+    keys = jax.random.wrap_key_data(jax.lax.bitcast_convert_type(packed[:, w + 8: w + 10], jnp.uint32))  # [S]
     return decode_segment(eparams, pool, packed[:, :w], col(0), col(1), col(2), col(3), col(4) > 0, col(5),
-                          jnp.zeros_like(col(0)), key, packed[0, w + 6], packed[0, w + 7], spec=spec, max_seg=max_seg)
+                          jnp.zeros_like(col(0)), keys, packed[0, w + 6], packed[0, w + 7], spec=spec, max_seg=max_seg)
 
 
 def prefill_packed(eparams, pool, packed, *, spec: DecodeSpec, length: int):

@@ -44,12 +44,13 @@ from jaxrl_llm.rollout.page_pool import PagePool, pages_for
 
 
 class RowStore:
-    """The sampled tokens of every row of a request: [R, T] tokens and log-probs and [R] lengths, written in
-    place by the shards (each row by the one shard that runs it)."""
+    """The sampled tokens of every row of a request: [R, T] tokens, their log-probs and the weight version that
+    sampled each, and [R] lengths, written in place by the shards (each row by the one shard that runs it)."""
 
     def __init__(self, rows: int, width: int, pad_id: int):
         self.tokens = np.full((rows, max(1, width)), pad_id, np.int32)
         self.logps = np.zeros((rows, max(1, width)), np.float32)
+        self.versions = np.zeros((rows, max(1, width)), np.int32)
         self.lengths = np.zeros(rows, np.int32)
 
 
@@ -63,6 +64,7 @@ class Row:
     max_tokens: int
     store: RowStore
     stream: int = 0  # seeds the row's random draws (the engine's `seeds`; its rid by default)
+    key: np.ndarray | None = None  # [2] int32: its request's PRNG key data (key(seed), bit-cast)
     finished: bool = False
     preemptions: int = 0
     # Routing replay R3: [positions, L_moe, k] experts of each context position the engine ran (-1: not yet)
@@ -101,6 +103,9 @@ class RowSource(Protocol):
     def full(self) -> None:
         """Says that the shard's slots are all taken (its next group waits: another shard may take it)."""
 
+    def wait(self) -> None:
+        """Blocks (briefly) while nothing can be taken now but rows may still come."""
+
 
 class ListSource:
     """A fixed list of rows in prompt groups, for one shard (tests, and a single-shard engine)."""
@@ -122,6 +127,9 @@ class ListSource:
         return bool(self.groups)
 
     def full(self) -> None:
+        pass
+
+    def wait(self) -> None:
         pass
 
 
@@ -196,6 +204,7 @@ class Scheduler:
         self.maxtok = np.zeros(cap, np.int64)
         self.last = np.zeros(cap, np.int64)  # the pending token
         self.stream = np.zeros(cap, np.int64)
+        self.keys = np.zeros((cap, 2), np.int32)  # each row's request's PRNG key data
         self.npages = np.zeros(cap, np.int64)
         self.table = np.zeros((cap, width), np.int32)  # pages; 0 (scratch) past npages
         self.n = 0
@@ -270,6 +279,7 @@ class Scheduler:
             self.rows[s], self.gid[s] = row, row.rid
             self.ctx[s], self.ntok[s], self.maxtok[s] = ctx, row.ntok, row.max_tokens
             self.last[s], self.stream[s], self.npages[s] = row.pending, row.stream, len(pages)
+            self.keys[s] = row.key if row.key is not None else 0
             self.table[s] = 0
             self.table[s, : len(pages)] = pages
             self.stats["admitted"] += 1
@@ -370,15 +380,26 @@ class Scheduler:
         self.waiting.appendleft(row)
         return row
 
+    def preempt_all(self) -> int:
+        """Sends every running row back to the front of the queue, in admission order, with its tokens: it is
+        prefilled again at readmission (a partial rollout that recomputes its K/V after a weight swap)."""
+        n = self.n
+        while self.n:
+            self._preempt_newest()
+        self.stats["preemptions"] += n
+        return n
+
     def _clear(self, slots: np.ndarray) -> None:
         self.rows[slots] = None
         self.table[slots] = 0
         self.npages[slots] = 0
 
     # ---- results -----------------------------------------------------------------------------
-    def commit(self, tokens: np.ndarray, logps: np.ndarray, counts: np.ndarray, active: np.ndarray) -> list[Row]:
-        """Appends each live row's new tokens ([slots, M] arrays from the segment; `active` false for rows that
-        stopped), frees the pages of rows that finished and packs the rest into slots 0..; returns the finished."""
+    def commit(self, tokens: np.ndarray, logps: np.ndarray, counts: np.ndarray, active: np.ndarray,
+               version: int = 0) -> list[Row]:
+        """Appends each live row's new tokens ([slots, M] arrays from the segment, sampled by weights `version`;
+        `active` false for rows that stopped), frees the pages of rows that finished and packs the rest into
+        slots 0..; returns the finished."""
         n = self.n
         c = counts[:n].astype(np.int64)
         total = int(c.sum())
@@ -388,6 +409,7 @@ class Scheduler:
             off = np.arange(total) - np.repeat(np.cumsum(c) - c, c)
             store.tokens[self.gid[slot], self.ntok[slot] + off] = tokens[slot, off]
             store.logps[self.gid[slot], self.ntok[slot] + off] = logps[slot, off]
+            store.versions[self.gid[slot], self.ntok[slot] + off] = version
             ran = np.flatnonzero(c)
             self.last[ran] = tokens[ran, c[ran] - 1]
             self.ntok[:n] += c
@@ -403,8 +425,8 @@ class Scheduler:
             r.finished = True
         keep = np.flatnonzero(active[:n].astype(bool))
         m = keep.size
-        for arr in (self.rows, self.gid, self.ctx, self.ntok, self.maxtok, self.last, self.stream, self.npages,
-                    self.table):
+        for arr in (self.rows, self.gid, self.ctx, self.ntok, self.maxtok, self.last, self.stream, self.keys,
+                    self.npages, self.table):
             arr[:m] = arr[keep]
         self._clear(np.arange(m, n))
         self.n = m

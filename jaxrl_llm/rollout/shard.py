@@ -47,14 +47,16 @@ class Shard:
         self.local = all(d.process_index == jax.process_index() for d in self.devices)
         self.replicated = NamedSharding(mesh, Pspec())
         self.params = None
+        self.version = 0  # the weights' version its params are (tokens record it)
         self.pool = None
         self.num_pages = 0
         self.programs: dict = {}  # (program, host input shape, static) -> the compiled program on these devices
 
     # ---- weights and memory ------------------------------------------------------------------
-    def set_params(self, engine_params) -> None:
+    def set_params(self, engine_params, version: int = 0) -> None:
         """This shard's view of the engine's weights (the same buffers, no copy); None drops it."""
         self.params = None if engine_params is None else jax.tree.map(self._view, engine_params)
+        self.version = version
 
     def _view(self, x: jax.Array) -> jax.Array:
         mine = {d: s.data for s in x.addressable_shards if (d := s.device) in self.devices}
@@ -82,15 +84,22 @@ class Shard:
         return distributed.put(x, self.replicated)
 
     # ---- a request ---------------------------------------------------------------------------
-    def run(self, source, spec, key_data: np.ndarray, stop: threading.Event) -> dict:
-        """Runs the rows `source` deals this shard, to the end; returns the shard's statistics."""
+    def run(self, source, spec, stop: threading.Event, hooks=None) -> dict:
+        """Runs the rows `source` deals this shard, to the end; returns the shard's statistics.
+
+        `hooks` (a rollout stream, rollout/stream.py): `at_boundary(shard, sched)` between segments (where new
+        weights are taken), `finished(rows)` after each commit, and a source that stays open for more rows."""
         eng = self.engine
         lad = eng.ladders
         sched = Scheduler(PagePool(self.num_pages, eng.page_size), source, slot_cap=eng.max_num_seqs,
                           max_seg=eng.max_segment, width=lad.width, share_prompts=eng.share_prompt_pages)
         st = dict(segments=0, decode_steps=0, row_steps=0, prefill_calls=0, plan_s=0.0, tokens=0)
         t0 = time.perf_counter()
-        while not sched.done() and not stop.is_set():
+        while not stop.is_set():
+            if hooks is not None:
+                hooks.at_boundary(self, sched)
+            if sched.done():
+                break
             t = time.perf_counter()
             plan = sched.plan()
             st["plan_s"] += time.perf_counter() - t
@@ -100,7 +109,11 @@ class Shard:
             if len(plan.copies[0]):
                 self._copy(plan.copies)
             if plan.live:
-                self._segment(plan, sched, spec, key_data, st)
+                done = self._segment(plan, sched, spec, st)
+                if hooks is not None and done:
+                    hooks.finished(done)
+            elif not plan.prefills:
+                source.wait()  # nothing to run here now: until rows come, or none can
         st.update(sched.stats, seconds=time.perf_counter() - t0)
         return st
 
@@ -131,7 +144,7 @@ class Shard:
         prog = self.engine._shard_program(self, "_copy", (self.pool, packed), {})
         self.pool = prog(self.pool, self.put(packed))
 
-    def _segment(self, plan: Plan, sched: Scheduler, spec, key_data: np.ndarray, st: dict) -> None:
+    def _segment(self, plan: Plan, sched: Scheduler, spec, st: dict) -> list:
         """One decode segment. On GPUs the call returns when the segment is done (XLA runs the data-dependent
         while loop from the host), so the shard's thread waits there, with the GIL released, while the other
         shards run; `plan_s` counts the host's own work (planning, packing, committing)."""
@@ -142,7 +155,7 @@ class Shard:
         packed[:n, w: w + 6] = np.stack([sched.ctx[:n], sched.last[:n], sched.ntok[:n], sched.maxtok[:n],
                                          np.ones(n, np.int64), sched.stream[:n]], axis=1)
         packed[:, w + 6], packed[:, w + 7] = plan.seg, plan.stop_free
-        packed[:, w + 8: w + 10] = key_data
+        packed[:n, w + 8: w + 10] = sched.keys[:n]
         prog = self.engine._shard_program(self, "_decode", (self.params, self.pool, packed), {"spec": spec})
         st["plan_s"] += time.perf_counter() - t0
         self.pool, out = prog(self.params, self.pool, self.put(packed))
@@ -151,9 +164,10 @@ class Shard:
         if "routing" in out:  # step j fed position ctx + j
             for i in range(n):
                 record_routes(sched.rows[i], int(sched.ctx[i]), out["routing"][i, : int(out["count"][i])])
-        sched.commit(out["tokens"], out["logps"], out["count"], out["active"])
+        done = sched.commit(out["tokens"], out["logps"], out["count"], out["active"], self.version)
         st["plan_s"] += time.perf_counter() - t0
         st["segments"] += 1
         st["decode_steps"] += int(out["steps"])
         st["row_steps"] += int(out["steps"]) * s
         st["tokens"] += int(out["count"][:n].sum())
+        return done

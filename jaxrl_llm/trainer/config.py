@@ -13,6 +13,7 @@ import dataclasses
 import gin
 
 from jaxrl_llm.algorithms.rollout_correction import RolloutCorrectionConfig
+from jaxrl_llm.trainer.config_async import AsyncConfig, check_async
 from jaxrl_llm.trainer.config_check import ConfigValueError, check_types
 from jaxrl_llm.trainer.config_check import check as _check
 from jaxrl_llm.trainer.config_rollout import RolloutConfig
@@ -338,6 +339,10 @@ class TrainerConfig:
     mesh_fsdp: int = -1  # the fully sharded data-parallel axis
     mesh_tensor: int = 1  # the tensor-parallel axis
     mesh_expert: int = 1  # splits a MoE's experts (its devices are data-parallel elsewhere)
+    # The training devices (veRL's trainer.n_gpus_per_node x trainer.nnodes): None, every device (sync) or every
+    # device the rollout does not take (async_training); the mesh sizes above shape these
+    n_gpus_per_node: int | None = None
+    nnodes: int = 1  # the trainer's nodes (train.n_gpus_per_node each)
     ref_offload: bool = False  # keep the reference model in host memory between its passes
     # The bytes a device may hold, for the memory check before the first step (trainer/memory_check.py).
     # None: what XLA may use on the device (a CPU says nothing: no check there); set it to check on a CPU.
@@ -348,6 +353,9 @@ class TrainerConfig:
     progress_bar: bool = True  # a tqdm bar on stderr, when stderr is a terminal
 
     def validate(self):
+        _check(self.n_gpus_per_node is None or self.n_gpus_per_node >= 1, "train.n_gpus_per_node",
+               f"{self.n_gpus_per_node}; need >= 1, or None for every device the rollout does not take")
+        _check(self.nnodes >= 1, "train.nnodes", f"{self.nnodes}; need >= 1")
         _check(self.driver in ("ray", "inprocess"), "train.driver", f"{self.driver!r}; use 'ray' or 'inprocess'")
         _check(self.num_processes >= 1, "train.num_processes", f"{self.num_processes}; need >= 1")
         _check(self.devices_per_process is None or self.devices_per_process >= 1, "train.devices_per_process",
@@ -376,11 +384,13 @@ class RunConfig:
     filter_groups: FilterGroupsSettings = FilterGroupsSettings()
     overlong_buffer: OverlongBufferSettings = OverlongBufferSettings()
     router_replay: RouterReplaySettings = RouterReplaySettings()
+    async_training: AsyncConfig = AsyncConfig()
 
     def validate(self) -> RunConfig:
         for part in (self.model, self.data, self.rollout, self.actor, self.algo, self.reward, self.trainer,
-                     self.policy_loss, self.rollout_correction):
+                     self.policy_loss, self.rollout_correction, self.async_training):
             part.validate()
+        check_async(self)
         self.overlong_buffer.validate(self.data.max_response_length)
         self.router_replay.validate(self.rollout.engine, self.rollout.multi_turn.enable)
         _check(self.actor.ppo_mini_batch_size <= self.data.train_batch_size, "actor.ppo_mini_batch_size",
@@ -422,7 +432,7 @@ PARTS = (("model", "model", ModelConfig), ("data", "data", DataConfig), ("rollou
                                              RolloutCorrectionSettings),
          ("filter_groups", "algorithm.filter_groups", FilterGroupsSettings), ("reward", "reward", RewardConfig),
          ("overlong_buffer", "reward.reward_kwargs.overlong_buffer_cfg", OverlongBufferSettings),
-         ("trainer", "train", TrainerConfig))
+         ("trainer", "train", TrainerConfig), ("async_training", "async_training", AsyncConfig))
 
 
 def build_run_config() -> RunConfig:

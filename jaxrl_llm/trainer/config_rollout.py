@@ -33,7 +33,7 @@ class RolloutConfig:
     # Paged, per data-parallel shard (each is an engine of its own, as vLLM's data-parallel engine cores): rows
     # decoded together at most, and prompt tokens one prefill call processes at most
     max_num_seqs: int = 1024
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = 8192  # paged, per shard: prompt tokens one prefill call processes at most
     # Paged: prompt + response tokens a row holds at most (fixes the programs' block tables); None:
     # data.max_prompt_length + data.max_response_length
     max_model_len: int | None = None
@@ -56,9 +56,17 @@ class RolloutConfig:
     # twice actor.ppo_max_token_len_per_gpu (a forward pass keeps no activations for a backward one).
     log_prob_max_token_len_per_gpu: int | None = None
     multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)  # rollout.multi_turn.*
+    # async_training: the rollout's own devices (veRL's keys), apart from the trainer's; and its tensor-parallel
+    # size there (veRL's tensor_model_parallel_size)
+    n_gpus_per_node: int = 0
+    nnodes: int = 1  # async_training: the rollout's nodes (rollout.n_gpus_per_node each)
+    tensor_model_parallel_size: int = 1  # async_training: devices that split each rollout shard's heads
 
     def validate(self):
         _check(self.engine in ("jax", "vllm"), "rollout.engine", f"{self.engine!r}; use 'jax' or 'vllm'")
+        _check(self.n_gpus_per_node >= 0 and self.nnodes >= 1 and self.tensor_model_parallel_size >= 1,
+               "rollout.n_gpus_per_node / nnodes / tensor_model_parallel_size",
+               f"{self.n_gpus_per_node} / {self.nnodes} / {self.tensor_model_parallel_size}; need >= 0, >= 1, >= 1")
         self.multi_turn.validate()
         _check(not self.weights_dir or os.path.isdir(self.weights_dir), "rollout.weights_dir",
                f"{self.weights_dir!r} is not a directory; give an existing one ('/dev/shm' on one host, a shared "

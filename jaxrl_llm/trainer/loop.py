@@ -78,6 +78,7 @@ class RLTrainer:
         self.worker = make_worker(run, total_steps=self.total_steps, inprocess=inprocess)
         self.operative_config = operative_config
         self.global_step = 0
+        self.resumed_meta: dict | None = None
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         self.worker.call("open_checkpointer", self.ckpt_dir, t.max_checkpoints_to_keep)
         try:
@@ -127,6 +128,7 @@ class RLTrainer:
             log.info("no checkpoint in %s: starting from step 0", directory)
             return
         self.global_step = int(meta["step"])
+        self.resumed_meta = meta
         self.iterator.load_state_dict(meta["data"])
         if self.kl_ctrl is not None and meta.get("kl_ctrl"):
             self.kl_ctrl.load_state_dict(meta["kl_ctrl"])
@@ -279,10 +281,11 @@ class RLTrainer:
                                             binding="algorithm.gdpo_reward_keys", prefix="score/"))
         return scored
 
-    def sample_batch(self, prompts: list[dict], step: int, timer, passes: dict) -> tuple[ScoredDraw, dict]:
-        """One prompt batch, scored on the host while the device runs the old/reference log-prob (and
-        value) passes; the passes do not need the scores."""
-        ro = self.rollout(prompts, step, 0, timer)
+    def sample_batch(self, prompts: list[dict], step: int, timer, passes: dict,
+                     ro: Rollout | None = None) -> tuple[ScoredDraw, dict]:
+        """One prompt batch (generated here, or `ro`, generated ahead by an async trainer), scored on the host
+        while the device runs the old/reference log-prob (and value) passes; the passes do not need the scores."""
+        ro = ro if ro is not None else self.rollout(prompts, step, 0, timer)
         if not any(passes.values()):
             with timer("reward"):
                 return self.score_rollout(ro), {}
@@ -334,7 +337,14 @@ class RLTrainer:
         np.savez(tmp, **batch.to_arrays())
         os.replace(tmp, os.path.join(d, f"step_{step:06d}.npz"))
 
-    def train_step(self, prompts: list[dict], step: int) -> dict[str, float]:
+    def step(self, step: int) -> dict[str, float]:
+        """One training step: the next prompt batch, generated, scored and trained on."""
+        return self.train_step(next(self.iterator), step)
+
+    def train_step(self, prompts: list[dict], step: int, *, ro: Rollout | None = None,
+                   sync: bool = True) -> dict[str, float]:
+        """Generates (or takes `ro`), scores, computes the passes and advantages, and updates; `sync`: then moves
+        the new weights to the engine (an async trainer moves them itself)."""
         run, worker = self.run, self.worker
         timer = M.Timer()
         metrics: dict[str, float] = {}
@@ -346,7 +356,7 @@ class RLTrainer:
             if run.filter_groups.enable:
                 scored, out = self.sample_filtered_batch(prompts, step, timer, passes, metrics)
             else:
-                scored, out = self.sample_batch(prompts, step, timer, passes)
+                scored, out = self.sample_batch(prompts, step, timer, passes, ro=ro)
             batch = scored.batch
             metrics.update(scored.counts)
             metrics["timing_s/reward_exposed"] = scored.exposed_s
@@ -368,14 +378,14 @@ class RLTrainer:
                 self.kl_ctrl.update(adv["metrics"]["actor/reward_kl_penalty"], n_steps=run.data.train_batch_size)
             if run.trainer.dump_batches:
                 self._dump_batch(batch, step)
-            self._update(batch, step, timer, metrics)
+            self._update(batch, step, timer, metrics, sync=sync)
         if self.agent is not None:
             metrics.update(self.agent.last_metrics)
         if "entropy" in out:
             metrics["actor/entropy_rollout"] = float(np.sum(out["entropy"]) / max(batch.response_mask.sum(), 1))
         compiled = worker.call("compile_stats")  # a program compiled after the first step shows here
         metrics.update(compile_watch.delta(compiled_before, compiled))
-        metrics["rollout/programs_compiled"] = compiled["engine_programs_compiled"]
+        metrics["perf/engine_programs_compiled"] = compiled["engine_programs_compiled"]
         return self._step_metrics(metrics, batch, timer, step)
 
     def _replay_step(self, step: int) -> dict[str, float]:
@@ -388,15 +398,16 @@ class RLTrainer:
             self._update(batch, step, timer, metrics)
         return self._step_metrics(metrics, batch, timer, step)
 
-    def _update(self, batch: TrainBatch, step: int, timer, metrics: dict) -> None:
-        """Critic then actor updates on the finished batch, then the new weights to the engine."""
+    def _update(self, batch: TrainBatch, step: int, timer, metrics: dict, sync: bool = True) -> None:
+        """Critic then actor updates on the finished batch, then (`sync`) the new weights to the engine."""
         if self.run.algo.uses_critic:
             with timer("update_critic"):
                 metrics.update(self.worker.call("update_critic", batch, step))
         with timer("update_actor"):
             metrics.update(self.worker.call("update_actor", batch, step))
-        with timer("reshard"):
-            self.sync_weights(step + 1)
+        if sync:
+            with timer("reshard"):
+                self.sync_weights(step + 1)
 
     def _step_metrics(self, metrics, batch: TrainBatch, timer, step: int) -> dict[str, float]:
         run = self.run
@@ -447,9 +458,8 @@ class RLTrainer:
                 self.logger.log(self.global_step, val, advance=False)
                 last.update(val)
             while self.global_step < self.total_steps:
-                prompts = next(self.iterator)
                 step_start = time.perf_counter()
-                metrics = self.train_step(prompts, self.global_step)
+                metrics = self.step(self.global_step)
                 self.global_step += 1
                 done = self.global_step == self.total_steps
                 if self.val_data is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or done):

@@ -120,7 +120,7 @@ class StepPrograms:
                                                                     if k != "params"]),
                                   "critic frozen base": device_bytes(w.critic.frozen)})
         self.resident = {k: v for k, v in self.resident.items() if v}
-        self.jax_engine = run.rollout.engine == "jax"
+        self.jax_engine = run.rollout.engine == "jax" and not run.async_training.enabled  # else on its own devices
         self.engine_weights = self.kv_pool = 0
         if self.jax_engine:
             # The engine's own conversion program (EngineWeights.update_weights runs it on every sync).

@@ -43,5 +43,10 @@ def run_process(run, operative_config: str, spec) -> dict:
 
     distributed.initialize(spec, heartbeat_timeout_s=run.trainer.heartbeat_timeout_s)
     enable_compilation_cache(run.trainer.compilation_cache_dir)
-    trainer = RLTrainer(run, operative_config=operative_config, inprocess=spec.multi)
+    if run.async_training.enabled:  # the rollout on devices of its own (trainer/async_trainer.py)
+        from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+
+        trainer = AsyncRLTrainer(run, operative_config=operative_config)
+    else:
+        trainer = RLTrainer(run, operative_config=operative_config, inprocess=spec.multi)
     return trainer.fit()

@@ -6,6 +6,7 @@ The driver (`trainer.loop`) calls these methods with host `TrainBatch`es, either
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -48,13 +49,15 @@ from jaxrl_llm.trainer.model_load import (
 )
 from jaxrl_llm.trainer.model_state import ModelState, abstract_params
 from jaxrl_llm.trainer.optim import make_optimizer
+from jaxrl_llm.trainer.placement import rollout_mesh, split_devices
+from jaxrl_llm.trainer.worker_checkpoints import WorkerCheckpoints
 
 log = logging.getLogger(__name__)
 
 HOST_ONLY = ("seq_ids", "seq_start")
 
 
-class TrainerWorker:
+class TrainerWorker(WorkerCheckpoints):
     """Owns the device state of a run. `total_steps` sizes the LR schedule."""
 
     def __init__(self, run: RunConfig, *, total_steps: int, model_cfg: Qwen2Config | None = None,
@@ -64,7 +67,9 @@ class TrainerWorker:
         work when a program cannot fit the device, and resolves model.remat='auto' and the log-prob budget."""
         self.run = run
         t = run.trainer
-        self.mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor, expert=t.mesh_expert)
+        train_devices, self.rollout_devices = split_devices(run)  # the rollout's own devices in async modes
+        self.mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor, expert=t.mesh_expert,
+                                       devices=train_devices)
         self.dp = sharding.data_parallel_size(self.mesh)
         self.cfg = model_cfg or model_config(run)
         self.lora = lora_spec(run, self.cfg)
@@ -110,7 +115,12 @@ class TrainerWorker:
         self._build_steps()
         self.engine = None
         if run.rollout.engine == "jax" and not abstract:
-            self.engine = make_jax_engine(self.cfg, self.actor.engine_params(), self.mesh, rollout=run.rollout,
+            mesh, rollout = self.mesh, run.rollout
+            if self.rollout_devices is not None:  # the rollout's own devices: nothing of the trainer's there, and
+                mesh = rollout_mesh(run, self.rollout_devices)  # no update to give the KV pool to
+                rollout = dataclasses.replace(rollout, free_cache_engine=False)
+                self.memory.generation_held = {}
+            self.engine = make_jax_engine(self.cfg, self.actor.engine_params(), mesh, rollout=rollout,
                                           max_prompt_length=engine_prompt_length(run),
                                           max_model_len=run.rollout.max_model_len or run.max_model_len)
             self.memory.check_engine(self.engine)  # the sampler's programs, where the engine reports them
@@ -148,7 +158,10 @@ class TrainerWorker:
                                          or 2 * run.actor.ppo_max_token_len_per_gpu)
         self.estimator = get_adv_estimator(run.algo.adv_estimator)
         self.rc = rollout_correction_config(run)
-        self.bypass = self.rc is not None and self.rc.bypass_mode
+        # Async training on stale samples: the sampler's log-probs are the behaviour policy's; without the
+        # decoupled objective (async_training.compute_prox_log_prob) they are the old ones too (veRL's bypass).
+        stale = run.async_training.off_policy
+        self.bypass = (self.rc is not None and self.rc.bypass_mode) or (stale and not run.async_training.prox)
         # The optimal-token-baseline estimators need Σ_v π(v)² of the old policy from its log-prob pass.
         self.with_sum_pi_squared = "sum_pi_squared" in self.estimator.inputs
         # Routing replay R2: the old-log-prob pass records the routing the update passes replay.
@@ -165,7 +178,7 @@ class TrainerWorker:
         # log-probs (the KL in the reward, decoupled rollout correction, the optimal token baseline).
         # Bypass mode uses the sampler's log-probs as the old ones and never runs the pass.
         self.on_policy = (run.actor.ppo_epochs == 1 and run.actor.ppo_mini_batch_size == run.data.train_batch_size
-                          and not run.algo.use_kl_in_reward and self.rc is None
+                          and not run.algo.use_kl_in_reward and self.rc is None and not stale
                           and not {"old_log_probs", "sum_pi_squared"} & set(self.estimator.inputs))
         self.policy_loss = policy_loss_config(run, self.rc)
         self.loss_settings = steps.ActorLossSettings(
@@ -390,7 +403,7 @@ class TrainerWorker:
     def _release_engine_weights(self) -> None:
         """With rollout.free_cache_engine, the JAX engine's weight copy is dropped for the updates (the sync that
         follows every actor update rebuilds it), like its KV pool after every rollout."""
-        if self.engine is not None and self.run.rollout.free_cache_engine:
+        if self.engine is not None and self.run.rollout.free_cache_engine and self.rollout_devices is None:
             self.engine.release_weights()
 
     def update_critic(self, batch: TrainBatch, step: int) -> dict[str, float]:
@@ -429,57 +442,6 @@ class TrainerWorker:
 
         path = os.path.join(os.path.abspath(directory), "adapters", str(step))
         return save_peft(self.actor.adapters(), self.lora, path, self.cfg, dtype=self.cfg.dtype)
-
-    # ---- checkpoints ------------------------------------------------------------------------------
-    def set_aside_checkpoints(self) -> list[str]:
-        """A fresh start in a run dir that has checkpoints moves them aside (they are another run's)."""
-        return self.ckpt.set_aside_after(0)
-
-    def open_checkpointer(self, directory: str, max_to_keep: int | None) -> list[int]:
-        """Opens the run's checkpoint dir for saving; returns the steps already there."""
-        from jaxrl_llm.checkpoint import RunCheckpointer
-
-        self.ckpt = RunCheckpointer(directory, max_to_keep=max_to_keep)
-        return self.ckpt.steps()
-
-    def close_checkpointer(self) -> None:
-        """Waits for pending saves and stops the checkpoint manager's threads."""
-        self.ckpt.close()
-
-    def save_checkpoint(self, step: int, meta: dict) -> None:
-        """Starts an async save of the train states (the device-to-host copy happens here)."""
-        self.ckpt.save(step, actor=self.actor_state, critic=self.critic_state, meta=meta)
-
-    def wait_checkpoint(self) -> None:
-        self.ckpt.wait()
-
-    def restore_checkpoint(self, directory: str, step: int | None = None) -> dict | None:
-        """Restores train states into this worker's mesh layout; returns the checkpoint's meta (with
-        its step), or None when `directory` has no checkpoint."""
-        from jaxrl_llm.checkpoint import NoValidCheckpointError, RunCheckpointer
-
-        own = self.ckpt
-        ckpt = own if own.directory == os.path.abspath(directory) else \
-            RunCheckpointer(directory, read_only=True) if os.path.isdir(directory) else None
-        if ckpt is None:
-            own.set_aside_after(0)
-            return None
-        if step is None:
-            found = ckpt.restore_latest_valid(actor=self.actor_state, critic=self.critic_state)
-            if found is None:
-                own.set_aside_after(0)
-                return None
-            step, actor, critic, meta = found
-        else:
-            if step not in ckpt.steps():
-                raise NoValidCheckpointError(f"{directory}: no checkpoint for step {step}; it has {ckpt.steps()}")
-            actor, critic, meta = ckpt.restore(step, actor=self.actor_state, critic=self.critic_state)
-        self.actor_state = actor
-        if critic is not None:
-            self.critic_state = critic
-        own.set_aside_after(step)
-        self.sync_rollout_weights(step)
-        return {**meta, "step": step}
 
     # ---- small queries for the driver -------------------------------------------------------------
     def model_config(self) -> Qwen2Config:

@@ -31,8 +31,10 @@ def test_an_option_comes_from_the_command_line_then_the_section_then_its_own_def
 
 def test_per_process_sections_split_into_one_process_each():
     opts = _opts("--presets", "qwen2p5_7b,qwen3_8b", "--engines", "paged")
-    assert cli.units(SECTIONS["gen"], opts) == [{"presets": "qwen2p5_7b", "engines": "paged"},
-                                                {"presets": "qwen3_8b", "engines": "paged"}]
+    assert cli.units(SECTIONS["gen"], opts) == [{"presets": "qwen2p5_7b", "engines": "paged", "devices": "1"},
+                                                {"presets": "qwen3_8b", "engines": "paged", "devices": "1"}]
+    two = _opts("--presets", "qwen2p5_7b", "--engines", "paged", "--devices", "1,2")  # one GPU, then two
+    assert [u["devices"] for u in cli.units(SECTIONS["gen"], two)] == ["1", "2"]
     assert cli.units(SECTIONS["e2e"], opts) == [{}]
     assert SECTIONS["e2e"].in_process and not SECTIONS["gen"].in_process
     assert SECTIONS["lora_sync"].env["JAX_PLATFORMS"] == "cpu"  # vLLM on the CPU, set before JAX starts

@@ -90,12 +90,13 @@ def _fail_on_stalled_segments(monkeypatch):
     same segment forever: fail the test instead of hanging it."""
     run = shard_mod.Shard._segment
 
-    def guarded(self, plan, sched, spec, key, st):
+    def guarded(self, plan, sched, spec, st):
         before = st["decode_steps"]
-        run(self, plan, sched, spec, key, st)
+        done = run(self, plan, sched, spec, st)
         if st["decode_steps"] == before:
             raise AssertionError(f"a decode segment ran no step ({plan.live} rows, {plan.slots} slots, stop_free "
                                  f"{plan.stop_free}): the shard would loop forever")
+        return done
 
     monkeypatch.setattr(shard_mod.Shard, "_segment", guarded)
 

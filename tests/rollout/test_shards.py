@@ -154,9 +154,9 @@ def test_max_num_seqs_is_per_shard(model, monkeypatch):
     live = []
     run = shard_mod.Shard._segment
 
-    def watch(self, plan, sched, spec, key, st):
+    def watch(self, plan, sched, spec, st):
         live.append((self.index, plan.live))
-        run(self, plan, sched, spec, key, st)
+        return run(self, plan, sched, spec, st)
 
     monkeypatch.setattr(shard_mod.Shard, "_segment", watch)
     eng = JaxEngine(cfg, params, dtype="float32", page_size=4, max_num_seqs=2, mesh=sharding.make_mesh(4, 1, 2))

@@ -64,15 +64,32 @@ def wait_for_steps(run_dir, n: int, proc: subprocess.Popen, timeout: float = 240
     raise TimeoutError(f"{run_dir}: fewer than {n} steps after {timeout}s")
 
 
-def kill_then_resume(run_dir, *params: str, steps: int, kill_after) -> dict[int, dict]:
-    """Starts the run `len(kill_after)` times, SIGKILLs it once each time `kill_after[i]` steps are logged,
-    then runs it to the end (it resumes from its checkpoints); returns its metrics by step, after
-    checking the last run said it resumed and every step is there."""
+def wait_for_checkpoint(run_dir, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Waits until checkpoint `step` has committed (orbax renames its temporary directory to the step's number
+    once every file is written), failing early if the run exits."""
+    path = os.path.join(run_dir, "checkpoints", str(step))
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.isdir(path):
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"run exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{run_dir}: checkpoint {step} not committed after {timeout}s")
+
+
+def kill_then_resume(run_dir, *params: str, steps: int, kill_after, checkpoint: int | None = None) -> dict[int, dict]:
+    """Starts the run `len(kill_after)` times, SIGKILLs it once each time `kill_after[i]` steps are logged
+    (and, given `checkpoint`, that checkpoint has committed), then runs it to the end (it resumes from its
+    checkpoints); returns its metrics by step, after checking the last run said it resumed and every step
+    is there."""
     import signal
 
     for k in kill_after:
         proc = start(run_dir, *params, steps=steps)
         wait_for_steps(run_dir, k, proc)
+        if checkpoint is not None:
+            wait_for_checkpoint(run_dir, checkpoint, proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     out = run(run_dir, *params, steps=steps)

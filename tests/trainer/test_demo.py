@@ -7,13 +7,15 @@ from jaxrl_llm.data.arithmetic import build_tokenizer, chance_reward
 from tests.trainer import runs
 
 
-def _demo(gin_file: str, tmp_path, steps: int = 80) -> tuple[float, list[dict], np.ndarray]:
-    """A shortened run of a demo recipe: chance reward, metric rows, and the per-step mean scores."""
+def _demo(gin_file: str, tmp_path, steps: int = 80, *params: str) -> tuple[float, list[dict], np.ndarray]:
+    """A shortened run of a demo recipe (with gin `params` on top): chance reward, metric rows, and the per-step
+    mean scores."""
     chance = chance_reward(build_tokenizer(), max_operand=4, max_new_tokens=3)
     out = runs.subprocess.run(
         [runs.sys.executable, "-m", "jaxrl_llm.train", f"--gin_file={gin_file}",
          f"--gin.train.total_training_steps={steps}", f"--gin.train.test_freq={steps}",
-         "--gin.train.val_before_train=False", "--gin.train.progress_bar=False", f"--gin.train.run_dir='{tmp_path}'"],
+         "--gin.train.val_before_train=False", "--gin.train.progress_bar=False", f"--gin.train.run_dir='{tmp_path}'",
+         *(f"--gin_param={p}" for p in params)],
         cwd=runs.REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = runs.metrics(tmp_path)

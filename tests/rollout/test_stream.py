@@ -1,0 +1,133 @@
+"""The rollout stream (rollout/stream.py): the paged engine running continuously for fully asynchronous training.
+Groups come back as they finish with the tokens `generate` gives; new weights are taken at a decode boundary
+with the running rows' K/V kept or recomputed, and every token records the version that sampled it; a pause
+hands back the rows in flight, and resubmitting them resumes them exactly."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm import sharding
+from jaxrl_llm.models import load_hf, split_model
+from jaxrl_llm.rollout import JaxEngine, SamplingParams
+from jaxrl_llm.rollout.stream import RolloutStream
+from tests.hf_models import make_hf_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], [20, 21, 22, 23]]
+LONG = SamplingParams(n=2, temperature=0.0, max_new_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    make_hf_model(d, vocab_size=96, initializer_range=0.3, eos_token_id=7)
+    m = load_hf(d)
+    return m.cfg, split_model(m)[1]
+
+
+def engine(model, params=None, data: int = 2, **kw):
+    cfg, base = model
+    mesh = sharding.make_mesh(data, 1, 1, devices=jax.devices()[:data])
+    return JaxEngine(cfg, base if params is None else params, dtype="float32", page_size=4, max_prompt_length=56,
+                     max_model_len=64, max_segment=4, free_cache_engine=False, mesh=mesh, **kw)
+
+
+def collect(q: queue.Queue, count: int) -> dict:
+    out = {}
+    while len(out) < count:
+        r = q.get(timeout=120)
+        out[r.meta] = r
+    return out
+
+
+def perturbed(params, seed: int = 1):
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(params))))
+    return jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), params)
+
+
+def test_groups_come_back_as_they_finish_with_the_tokens_of_generate(model):
+    ref = engine(model).generate(PROMPTS, LONG.replace(temperature=1.0, seed=3),
+                                 max_new_tokens_per_row=[5, 40] * 5)
+    eng = engine(model)
+    q = queue.Queue()
+    stream = RolloutStream(eng, LONG.replace(temperature=1.0), capacity=3, on_group=q.put)
+    stream.submit(PROMPTS, list(range(5)), seed=3, max_new_tokens_per_row=[5, 40] * 5)  # waits for room: 3 at once
+    got = collect(q, 5)
+    stream.close()
+    for i in range(5):
+        r = got[i]
+        np.testing.assert_array_equal(r.lengths, ref.lengths[2 * i: 2 * i + 2])
+        for j in range(2):
+            np.testing.assert_array_equal(r.tokens[j, : r.lengths[j]], ref.tokens[2 * i + j, : r.lengths[j]])
+            np.testing.assert_allclose(r.logprobs[j, : r.lengths[j]], ref.logprobs[2 * i + j, : r.lengths[j]],
+                                       atol=2e-5)
+        mask = np.arange(r.tokens.shape[1])[None, :] < r.lengths[:, None]
+        assert np.all(r.versions[mask] == eng.version) and not r.partial
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_new_weights_are_taken_at_a_boundary_and_each_token_keeps_its_version(model, kv):
+    """Rows running at the swap continue with the new weights. Recompute: each row's tokens after the swap are
+    version B's greedy continuation of its prompt and its tokens before (its K/V recomputed by B). Keep: the
+    K/V before the swap stays version A's; the tokens before the swap are A's greedy tokens either way."""
+    cfg, base = model
+    other = perturbed(base)
+    a, b = engine(model), engine(model, other)
+    ref_a = a.generate(PROMPTS, LONG)
+    eng = engine(model)
+    q = queue.Queue()
+    stream = RolloutStream(eng, LONG, capacity=8, on_group=q.put, kv=kv)
+    stream.submit(PROMPTS, list(range(5)), seed=0)
+    while stream.store.lengths.max() < 3:  # swap once every row has started
+        time.sleep(0.01)
+    v0 = eng.version
+    stream.stage_weights(other, version=v0 + 1)
+    stream.wait_swapped()
+    got = collect(q, 5)
+    stream.close()
+    assert eng.version == v0 + 1 and stream.swaps == 1
+    partial = 0
+    for i, prompt in enumerate(PROMPTS):
+        r = got[i]
+        for j in range(2):
+            v = r.versions[j, : r.lengths[j]]
+            k = int((v == v0).sum())  # tokens sampled before the swap
+            assert np.all(v[:k] == v0) and np.all(v[k:] == v0 + 1)
+            partial += 0 < k < r.lengths[j]
+            np.testing.assert_array_equal(r.tokens[j, :k], ref_a.tokens[2 * i + j, :k])
+            if kv == "recompute" and k < r.lengths[j]:
+                cont = b.generate([prompt + r.tokens[j, :k].tolist()], LONG.replace(n=1, max_new_tokens=40 - k))
+                np.testing.assert_array_equal(r.tokens[j, k:], cont.tokens[0])
+    assert partial > 0
+    assert (stream.recomputed > 0) == (kv == "recompute")
+
+
+def test_a_paused_stream_hands_back_its_rows_and_resubmitting_them_resumes_them_exactly(model):
+    ref = engine(model).generate(PROMPTS, LONG)
+    eng = engine(model)
+    q = queue.Queue()
+    stream = RolloutStream(eng, LONG, capacity=8, on_group=q.put)
+    stream.submit(PROMPTS, list(range(5)), seed=0)
+    while stream.store.lengths.max() < 6:
+        time.sleep(0.01)
+    snap = stream.pause()
+    assert len(snap["metas"]) > 0 and snap["lengths"].max() >= 6
+    stream.resume()
+    done = collect(q, 5)
+    stream.close()
+    again = RolloutStream(engine(model), LONG, capacity=8, on_group=q.put)
+    idx = [PROMPTS.index(p) for p in snap["prompts"]]
+    again.submit(snap["prompts"], [("again", i) for i in idx], seed=0,
+                 streams=np.concatenate([[2 * i, 2 * i + 1] for i in idx]), partial=snap)
+    resumed = collect(q, len(idx))
+    again.close()
+    for i in idx:
+        r = resumed[("again", i)]
+        np.testing.assert_array_equal(r.lengths, done[i].lengths)
+        np.testing.assert_array_equal(r.tokens, done[i].tokens)
+        np.testing.assert_array_equal(r.tokens[0, : r.lengths[0]], ref.tokens[2 * i, : r.lengths[0]])
