@@ -158,8 +158,48 @@ def test_absent_panels_are_skipped_and_reported(report):
     md = open(result["summary"]).read()
     assert "## Skipped panels" in md
     assert "- kl: no actor/kl_loss or actor/reward_kl_penalty or actor/ppo_kl in metrics.jsonl" in md
+    # A synchronous run: no async panel, table or skipped-panel line.
+    assert result["async"] == {} and not any(name.startswith("async") for name in result["plots"])
+    assert "async" not in md.lower()
     assert "No KL metric" in md
     assert any("partial or invalid line skipped" in note for note in result["notes"])
+
+
+def _async_row(s):
+    """An async run's step s of 12: staleness 0..2, a stale sample every third step, waits that shrink."""
+    return {"critic/score/mean": s / 12, "timing_s/step": 2.0, "timing_s/update_actor": 1.0,
+            "timing_s/wait_prev_gen": 0.5 if s > 1 else 1.5, "timing_s/sync": 0.05, "timing_s/rollout_wait": 0.25,
+            "fully_async/staleness/mean": (s % 3) / 2, "fully_async/staleness/max": s % 3,
+            "fully_async/count/stale_samples_processed": float(s % 3 == 0), "fully_async/count/stale_samples_dropped":
+            float(s == 6), "fully_async/partial/partial_ratio": 0.25, "fully_async/partial/total_partial_num": 2.0,
+            "rollouter/idle_ratio": 0.1, "trainer/idle_ratio": 0.2, "fully_async/version": s - 1,
+            "fully_async/queue_size": 4.0}
+
+
+def test_async_run_gets_its_panels_and_table(tmp_path):
+    """one_step_off / fully_async metrics: three panels, a table of first/last/mean with totals of the counts; the
+    trainer's wait and sync are phases of its step, the rollout side's wait is not."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **_async_row(s)}) + "\n"
+                                                     for s in range(1, 13)))
+    result = write_report(str(tmp_path), str(tmp_path / "out"))
+    for name in ("async_staleness", "async_idle", "async_waits"):
+        assert open(result["plots"][name], "rb").read()[:8] == PNG_SIGNATURE, name
+    a = result["async"]
+    assert a["fully_async/staleness/max"] == {"first": {"step": 1, "value": 1.0}, "last": {"step": 12, "value": 0.0},
+                                              "mean": 1.0}
+    totals = {"fully_async/count/stale_samples_processed": 4.0, "fully_async/count/stale_samples_dropped": 1.0,
+              "fully_async/partial/total_partial_num": 24.0}
+    assert a["totals"] == totals
+    assert list(result["step_time"]["phases_pct"]) == ["wait_prev_gen", "update_actor", "sync"]
+    assert result["step_time"]["phases_pct"]["wait_prev_gen"] == 25.0  # steps 2-12: 0.5 s of 2 s
+    md = open(result["summary"]).read()
+    for line in ["## Asynchronous training", "| fully_async/staleness/mean | 0.5 (1) | 0 (12) | 0.5 |",
+                 "| timing_s/wait_prev_gen | 1.5 (1) | 0.5 (12) | 0.5833 |",
+                 "| fully_async/version | 0 (1) | 11 (12) | 5.5 |",
+                 "| trainer/idle_ratio | 0.2 (1) | 0.2 (12) | 0.2 |",
+                 "Totals over the run: fully_async/count/stale_samples_processed 4, "
+                 "fully_async/count/stale_samples_dropped 1, fully_async/partial/total_partial_num 24."]:
+        assert line in md, line
 
 
 def test_validation_only_run(tmp_path):

@@ -15,6 +15,7 @@ function in the module of its kind (or a new module, then import it here), emit 
   train         train, e2e, profile_update
   memory        memory (XLA's compiled memory of a run's step, the memory matrix)
   weights       sync, weights_checkpoint, weight_path
+  sync_split    sync_split (async training's weight sync, training mesh -> rollout mesh on other devices)
   lora_sync     lora_sync;  quant: quant;  moe: moe_grouped, moe_update, moe_decode
   decode_kernel, paged_kernel   the Pallas decode kernels alone
   torch_peers   torch (transformers peers and the parity reference; a command of its own)
@@ -32,6 +33,7 @@ from jaxrl_llm.bench import (  # noqa: F401  (each registers its sections)
     paged_kernel,
     quant,
     shards,
+    sync_split,
     tools,
     torch_peers,
     train,

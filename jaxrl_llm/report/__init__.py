@@ -2,9 +2,10 @@
 
 `python -m jaxrl_llm.report RUN_DIR [--out DIR]` writes RUN_DIR/report/: overview.png (every panel),
 one PNG per panel (reward with validation, validation per data source, KL, entropy, response length,
-clip fraction, throughput/MFU, time per phase, grad norm/lr, value loss) and summary.md, so a run can
-be judged at a glance rather than by reading jsonl. Metric names are veRL's, as trainer/loggers.py
-writes them; panels whose metrics the run does not log are skipped and listed in the summary.
+clip fraction, throughput/MFU, time per phase, grad norm/lr, value loss; for an asynchronous run staleness,
+idle devices and waits) and summary.md, so a run can be judged at a glance rather than by reading jsonl.
+Metric names are veRL's, as trainer/loggers.py writes them; panels whose metrics the run does not log are
+skipped and listed in the summary (the async ones only drawn, never listed).
 """
 
 from __future__ import annotations

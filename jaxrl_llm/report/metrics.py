@@ -12,9 +12,20 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic", "reshard")
-# timing_s/* keys that are totals or occasional extras rather than phases of a train step.
-TIMING_TOTALS = ("step", "step_total", "testing", "save_checkpoint")
+# wait_prev_gen (an async trainer's wait for rollouts) and sync (its weight sync) are phases of its step too.
+PHASES = ("wait_prev_gen", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic",
+          "reshard", "sync")
+# timing_s/* keys that are not phases of a train step: totals, occasional extras, and an async run's rollout side
+# waiting for weights or queue room (on its own devices, beside the trainer's step).
+TIMING_TOTALS = ("step", "step_total", "testing", "save_checkpoint", "rollout_wait")
+# An asynchronous run's metrics (issue 30; veRL's fully_async names where it has them), by what they measure.
+ASYNC_STALENESS = ("fully_async/staleness/mean", "fully_async/staleness/max")
+ASYNC_COUNTS = ("fully_async/count/stale_samples_processed", "fully_async/count/stale_samples_dropped",
+                "fully_async/partial/total_partial_num")
+ASYNC_SHARES = ("fully_async/partial/partial_ratio", "rollouter/idle_ratio", "trainer/idle_ratio")
+ASYNC_WAITS = ("timing_s/wait_prev_gen", "timing_s/rollout_wait", "timing_s/sync")
+ASYNC_KEYS = (ASYNC_STALENESS + ASYNC_COUNTS + ASYNC_SHARES + ASYNC_WAITS
+              + ("fully_async/version", "fully_async/queue_size"))
 VAL_KEY = re.compile(r"^val-core/(?P<source>[^/]+)/(?P<metric>.+/mean@\d+)$")
 
 

@@ -16,7 +16,7 @@ import numpy as np
 # process (a notebook keeps its backend), and savefig renders PNGs with Agg, so no display is needed.
 from matplotlib.figure import Figure
 
-from jaxrl_llm.report.metrics import RunMetrics
+from jaxrl_llm.report.metrics import ASYNC_COUNTS, ASYNC_SHARES, ASYNC_STALENESS, ASYNC_WAITS, RunMetrics
 
 EMA_WEIGHT = 0.9  # TensorBoard-style smoothing of the noisy train curves (reward, KL, entropy)
 KL_KEYS = ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl")
@@ -38,6 +38,13 @@ def _smoothed(ax, run: RunMetrics, key: str, label: str) -> None:
     steps, vals = run.series(key)
     (raw,) = ax.plot(steps, vals, lw=0.8, alpha=0.3)
     ax.plot(steps, compute_ema(vals), lw=1.6, color=raw.get_color(), label=label)
+
+
+def _lines(ax, run, keys) -> None:
+    """A line for each of `keys` the run logs."""
+    for key in keys:
+        if run.has(key):
+            ax.plot(*run.series(key), lw=1, label=key)
 
 
 def _draw_reward(ax, run):
@@ -76,9 +83,7 @@ def _draw_length(ax, run):
 
 
 def _draw_clipfrac(ax, run):
-    for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower"):
-        if run.has(key):
-            ax.plot(*run.series(key), lw=1, label=key)
+    _lines(ax, run, ("actor/pg_clipfrac", "actor/pg_clipfrac_lower"))
     ax.set_ylabel("fraction of tokens")
 
 
@@ -128,15 +133,45 @@ def _draw_vf_loss(ax, run):
 
 def _draw_multi_turn(ax, run):
     """Tool use of a multi-turn run: tool calls and turns a response, tool errors a step (right axis)."""
-    for key in ("multi_turn/tool_calls_mean", "multi_turn/turns_mean"):
-        if run.has(key):
-            ax.plot(*run.series(key), lw=1, label=key)
+    _lines(ax, run, ("multi_turn/tool_calls_mean", "multi_turn/turns_mean"))
     ax.set_ylabel("per response")
     if not run.has("multi_turn/tool_errors"):
         return [ax]
     twin = ax.twinx()
     twin.plot(*run.series("multi_turn/tool_errors"), lw=1, color="C3", label="multi_turn/tool_errors (right)")
     return [ax, twin]
+
+
+def _lines_right(ax, run, keys, ylabel: str, colors=("C4", "C5", "C6")) -> list:
+    """`keys` on a twin axis at the right (when the run has any), their labels marked so; the axes drawn on."""
+    present = [k for k in keys if run.has(k)]
+    if not present:
+        return [ax]
+    twin = ax.twinx()
+    for key, color in zip(present, colors):
+        twin.plot(*run.series(key), lw=1, ls="--", color=color, label=f"{key} (right)")
+    twin.set_ylabel(ylabel)
+    return [ax, twin]
+
+
+def _draw_async_staleness(ax, run):
+    """Policy versions between a sample's oldest token and the version that trains on it; stale and partial
+    samples a step at the right."""
+    _lines(ax, run, ASYNC_STALENESS)
+    ax.set_ylabel("policy versions")
+    return _lines_right(ax, run, ASYNC_COUNTS, "samples")
+
+
+def _draw_async_shares(ax, run):
+    _lines(ax, run, ASYNC_SHARES)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel("share")
+
+
+def _draw_async_waits(ax, run):
+    _lines(ax, run, ASYNC_WAITS)
+    ax.set_ylabel("seconds")
+    return _lines_right(ax, run, ("fully_async/queue_size",), "samples queued")
 
 
 def _any_of(*keys: str) -> Callable[[RunMetrics], bool]:
@@ -146,13 +181,15 @@ def _any_of(*keys: str) -> Callable[[RunMetrics], bool]:
 @dataclass(frozen=True)
 class Panel:
     """One plot of related curves, drawn only when `present(run)`; `wanted` names its metrics for the
-    summary's list of skipped panels. `draw(ax, run)` may return its twin axes for the legend."""
+    summary's list of skipped panels, which leaves out those of a training mode the run does not use
+    (`listed=False`: the async panels). `draw(ax, run)` may return its twin axes for the legend."""
 
     name: str
     title: str
     wanted: str
     present: Callable[[RunMetrics], bool]
     draw: Callable
+    listed: bool = True
 
 
 PANELS = (
@@ -174,6 +211,16 @@ PANELS = (
     Panel("multi_turn", "Tool use (multi-turn rollouts)", "multi_turn/tool_calls_mean",
           _any_of("multi_turn/tool_calls_mean"), _draw_multi_turn),
     Panel("vf_loss", "Value loss (PPO critic)", "critic/vf_loss", _any_of("critic/vf_loss"), _draw_vf_loss),
+    # Asynchronous training (one_step_off, fully_async): drawn only for runs that log these metrics.
+    Panel("async_staleness", "Asynchronous training: staleness, stale and partial samples",
+          "fully_async/staleness/* or fully_async/count/*", _any_of(*ASYNC_STALENESS, *ASYNC_COUNTS),
+          _draw_async_staleness, listed=False),
+    Panel("async_idle", "Asynchronous training: idle devices and partial rollouts",
+          "rollouter/idle_ratio, trainer/idle_ratio or fully_async/partial/partial_ratio", _any_of(*ASYNC_SHARES),
+          _draw_async_shares, listed=False),
+    Panel("async_waits", "Asynchronous training: waits, weight sync and queue",
+          "timing_s/wait_prev_gen, timing_s/rollout_wait, timing_s/sync or fully_async/queue_size",
+          _any_of(*ASYNC_WAITS, "fully_async/queue_size"), _draw_async_waits, listed=False),
 )
 
 
@@ -193,9 +240,10 @@ def write_plots(run: RunMetrics, out_dir: str) -> tuple[dict[str, str], dict[str
     Returns ({name: path} of the PNGs written, {name: reason} of the panels skipped).
     """
     drawn = [panel for panel in PANELS if panel.present(run)]
-    skipped = {panel.name: f"no {panel.wanted} in metrics.jsonl" for panel in PANELS if panel not in drawn}
-    for name in skipped:  # a plot left by an earlier report of this run would now be stale
-        stale = os.path.join(out_dir, f"{name}.png")
+    absent = [panel for panel in PANELS if panel not in drawn]
+    skipped = {panel.name: f"no {panel.wanted} in metrics.jsonl" for panel in absent if panel.listed}
+    for panel in absent:  # a plot left by an earlier report of this run would now be stale
+        stale = os.path.join(out_dir, f"{panel.name}.png")
         if os.path.isfile(stale):
             os.remove(stale)
     paths = {}

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from jaxrl_llm.report.metrics import RunMetrics, is_num
+from jaxrl_llm.report.metrics import ASYNC_COUNTS, ASYNC_KEYS, RunMetrics, is_num
 from jaxrl_llm.report.plots import KL_KEYS
 
 
@@ -46,6 +46,18 @@ def _step_time(run: RunMetrics) -> dict | None:
             "phases_s": phases, "phases_pct": pct, "other_pct": 100 - sum(pct.values()) if phases else None}
 
 
+def _async_stats(run: RunMetrics) -> dict:
+    """An async run's metrics: {key: first, last (points), mean} of those it logs, and each count's total over
+    the run ("totals"); {} for a synchronous run."""
+    out: dict = {}
+    for key in ASYNC_KEYS:
+        if run.has(key):
+            points = _first_last_best(run, key)
+            out[key] = {"first": points["first"], "last": points["last"], "mean": float(np.nanmean(run.series(key)[1]))}
+    totals = {k: float(np.nansum(run.series(k)[1])) for k in ASYNC_COUNTS if run.has(k)}
+    return {**out, "totals": totals} if out else {}
+
+
 def compute_stats(run: RunMetrics, last_n: int) -> dict:
     """The key numbers of a run, as plain Python values (the dict write_report returns, less its paths)."""
     tail = run.train[-last_n:]
@@ -58,6 +70,7 @@ def compute_stats(run: RunMetrics, last_n: int) -> dict:
         "final_kl": {k: _first_last_best(run, k)["last"] for k in KL_KEYS if run.has(k)},
         "tool_use": {k: _first_last_best(run, k) for k in TOOL_KEYS if run.has(k)},
         "step_time": _step_time(run),
+        "async": _async_stats(run),
         "last_n": {"n": len(tail), "steps": [tail[0]["step"], tail[-1]["step"]] if tail else None,
                    "throughput": _finite_mean(tail, "perf/throughput"), "mfu": _finite_mean(tail, "perf/mfu/actor")},
         "skipped_steps": {k: float(np.nansum(run.series(k)[1])) for k in ("actor/skipped_steps", "critic/skipped_steps")
@@ -117,6 +130,15 @@ def render_summary(run_dir: str, stats: dict, plots: dict[str, str], skipped: di
             md.append(f"| other (not in a phase) | | {t['other_pct']:.1f} |")
     else:
         md.append("No timing_s/step in this run.")
+
+    if a := stats["async"]:  # one_step_off and fully_async runs
+        rows = [k for k in a if k != "totals"]
+        md += ["", "## Asynchronous training", "", "| metric | first (step) | last (step) | mean |",
+               "|---|---:|---:|---:|"]
+        md += [f"| {k} | {_g(a[k]['first']['value'])} ({a[k]['first']['step']}) | {_g(a[k]['last']['value'])} "
+               f"({a[k]['last']['step']}) | {_g(a[k]['mean'])} |" for k in rows]
+        if a["totals"]:
+            md += ["", "Totals over the run: " + ", ".join(f"{k} {_g(v)}" for k, v in a["totals"].items()) + "."]
 
     n = stats["last_n"]
     md += ["", f"## Throughput (mean over the last {n['n']} training steps)", ""]

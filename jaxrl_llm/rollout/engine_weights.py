@@ -14,9 +14,9 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jaxrl_llm import distributed, sharding
 from jaxrl_llm.models import quant
 from jaxrl_llm.models.config import Qwen2Config
-from jaxrl_llm.models.params import param_shardings
 from jaxrl_llm.rollout import decode
 from jaxrl_llm.rollout.base import SamplingParams, check_prompts
+from jaxrl_llm.rollout.weight_sync import WeightSync
 
 
 def resolve_decode_attention(impl: str, supported: bool, why: str) -> str:
@@ -46,6 +46,7 @@ class EngineWeights:
         self._shardings = self._engine_shardings()
         self._convert = jax.jit(self._to_engine, out_shardings=self._shardings)
         self.params = None
+        self._sync: WeightSync | None = None  # made at the first update from other devices
         if params is not None:
             self.update_weights(params)
 
@@ -82,7 +83,8 @@ class EngineWeights:
 
     def update_weights(self, params, *, step: int | None = None) -> int:
         """Casts and reshards trainer params into the engine layout, in device memory. `params` may also be
-        an 8-bit base with pre-scaled adapters (`ModelState.engine_params`), on the engine's devices."""
+        an 8-bit or bf16 base with pre-scaled adapters (`ModelState.engine_params`, `WeightSync.adapters`), on
+        the engine's devices or on others."""
         # The old weights go first: the conversion's output is a new copy of every layer (the decode
         # layout unstacks and fuses them), so keeping both would hold two engine copies at the peak.
         self.params = None
@@ -95,9 +97,12 @@ class EngineWeights:
         engine's own weights untouched: a rollout stream stages them while its shards decode)."""
         engine_devices = set(self.mesh.devices.flat) if self.mesh is not None else {jax.devices()[0]}
         if any(set(x.sharding.device_set) != engine_devices for x in jax.tree.leaves(params)):
-            # Trainer and engine on different devices: one device-to-device transfer into the
-            # trainer-style layout on the engine's devices, then the same conversion.
-            params = jax.device_put(params, param_shardings(self.cfg, self.mesh))
+            # Trainer and engine on different devices: device-to-device copies in layer buckets into a layout
+            # the conversion below takes on the engine's devices (rollout/weight_sync.py). A plain device_put
+            # to the engine's layout would go through host memory wherever the layouts' shards differ.
+            if self._sync is None:
+                self._sync = WeightSync(self.cfg, self.mesh, dtype=self.cfg.dtype)
+            params = self._sync(params)
         with self._mesh_ctx():
             return self._convert(params)
 

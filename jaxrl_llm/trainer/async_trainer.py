@@ -140,9 +140,10 @@ class AsyncRLTrainer(RLTrainer):
         metrics = self.train_step(prompts, k, ro=ro, sync=False)
         wall = time.perf_counter() - t_step
         metrics.update(staleness_metrics(sampled, k, self.n))
-        metrics.update({"timing_s/wait_prev_gen": wait, "timing_s/gen": gen_s, "timing_s/sync": sync_s,
+        metrics.update({"timing_s/wait_prev_gen": wait, "rollouter/active_time": gen_s, "timing_s/sync": sync_s,
                         "trainer/idle_ratio": wait / wall, "rollouter/idle_ratio": max(0.0, 1 - gen_s / wall),
-                        "fully_async/version": float(k)})
+                        "timing_s/rollout_wait": max(0.0, wall - gen_s), "fully_async/version": float(k),
+                        **self.worker.obj.weight_sync_metrics()})
         return metrics
 
     # ---- fully async -------------------------------------------------------------------------------
@@ -256,10 +257,12 @@ class AsyncRLTrainer(RLTrainer):
         t0 = time.perf_counter()
         self._sync_stream(k + 1)
         metrics["timing_s/sync"] = time.perf_counter() - t0
+        metrics.update(self.worker.obj.weight_sync_metrics())
         wall, busy = time.perf_counter() - self._wall0, self._stream.busy_seconds() - self._busy0
         self._busy0, self._wall0 = self._stream.busy_seconds(), time.perf_counter()
         metrics.update({"trainer/idle_ratio": metrics["timing_s/wait_prev_gen"] / (time.perf_counter() - t_step),
                         "rollouter/idle_ratio": max(0.0, 1 - busy / wall), "fully_async/version": float(k + 1),
+                        "timing_s/rollout_wait": max(0.0, wall - busy), "rollouter/active_time": busy,
                         "fully_async/queue_size": float(self._queue.qsize()),
                         "fully_async/count/stale_samples_dropped_total": float(self._dropped)})
         return metrics
@@ -272,7 +275,7 @@ class AsyncRLTrainer(RLTrainer):
         try:
             if not self.cfg.partial_rollout:
                 self._stream.drain()
-            self._stream.stage_weights(self.worker.obj.actor.engine_params(), version)
+            self._stream.stage_weights(self.worker.obj.rollout_weights(), version)
             if not self.cfg.partial_rollout:
                 self._stream.wait_swapped()
         finally:

@@ -24,6 +24,7 @@ from jaxrl_llm.algorithms import (
 )
 from jaxrl_llm.models import Qwen2Config
 from jaxrl_llm.rollout import RolloutBatch, SamplingParams, make_jax_engine
+from jaxrl_llm.rollout.weight_sync import WeightSync
 from jaxrl_llm.trainer import memory_check, router_replay, steps
 from jaxrl_llm.trainer.algo_setup import (
     adv_inputs,
@@ -114,6 +115,7 @@ class TrainerWorker(WorkerCheckpoints):
 
         self._build_steps()
         self.engine = None
+        self._weight_sync: WeightSync | None = None  # made at the first sync to the rollout's own devices
         if run.rollout.engine == "jax" and not abstract:
             mesh, rollout = self.mesh, run.rollout
             if self.rollout_devices is not None:  # the rollout's own devices: nothing of the trainer's there, and
@@ -418,8 +420,25 @@ class TrainerWorker(WorkerCheckpoints):
     def sync_rollout_weights(self, step: int) -> None:
         """Moves the new actor weights into the JAX engine, in device memory."""
         if self.engine is not None:
-            self.engine.update_weights(self.actor.engine_params(), step=step)
+            self.engine.update_weights(self.rollout_weights(), step=step)
             jax.block_until_ready(self.engine.params)
+
+    def rollout_weights(self) -> dict:
+        """The actor's weights as the engine's `update_weights` takes them. On the rollout's own devices they go
+        through a WeightSync (device to device, in layer buckets; with LoRA the adapters alone after the first
+        sync, the frozen base staying there); colocated, the engine reads the trainer's arrays in place."""
+        if self.rollout_devices is None:
+            return self.actor.engine_params()
+        if self._weight_sync is None:
+            self._weight_sync = WeightSync.for_engine(self.engine)
+        return self._weight_sync.from_model_state(self.actor)
+
+    def weight_sync_metrics(self) -> dict[str, float]:
+        """What the last sync to the rollout's own devices moved ({} colocated): `rollouter/weight_sync_mb`, copied
+        device to device (with LoRA after the first sync, the adapters alone)."""
+        if self._weight_sync is None:
+            return {}
+        return {"rollouter/weight_sync_mb": self._weight_sync.stats.bytes / 2**20}
 
     def save_weights(self, directory: str, step: int, *, base: bool = False) -> str:
         """Writes the actor params as a weights-only Orbax checkpoint (for a vLLM pool), in the compute

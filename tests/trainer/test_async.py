@@ -75,6 +75,16 @@ def test_one_step_off_killed_and_resumed_trains_exactly_as_uninterrupted(tmp_pat
     _same(resumed, reference, [2, 3, 4], rtol=0)
 
 
+def test_lora_syncs_only_the_adapters_to_the_rollout_devices(tmp_path):
+    """Split devices go through the WeightSync: full fine-tuning copies the bf16 model each sync; LoRA moves its
+    frozen base once and then its fp32 adapters alone (rank 8 here: under a quarter of the tiny model)."""
+    full = _run(tmp_path, "full", *ONE_STEP_OFF, steps=2)
+    lora = _run(tmp_path, "lora", *ONE_STEP_OFF, "model.lora_rank=8", "model.target_modules='all-linear'", steps=2)
+    full_mb, lora_mb = ([r[s]["rollouter/weight_sync_mb"] for s in (1, 2)] for r in (full, lora))
+    assert full_mb[0] == full_mb[1] > 0 and lora_mb[0] == lora_mb[1] > 0
+    assert lora_mb[0] < full_mb[0] / 4, (lora_mb, full_mb)
+
+
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
 def test_fully_async_partial_rollouts_swap_weights_mid_row(tmp_path, kv):
     """A rollout slower than the trainer (one row at a time, boundaries every 2 steps, up to 16 tokens): at each
