@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl_llm import sharding
-from jaxrl_llm.models import load_hf, split_model
 from jaxrl_llm.rollout import (
     DenseJaxEngine,
     JaxEngine,
@@ -31,7 +30,6 @@ from jaxrl_llm.rollout.page_pool import pages_for
 from jaxrl_llm.rollout.scheduler import Scheduler
 from jaxrl_llm.trainer.config import ConfigValueError, RolloutConfig
 from kernels.decode_attention import decode_attention_reference
-from tests.hf_models import make_hf_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42]]
 MAX_NEW = 8
@@ -39,14 +37,6 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True
 SAMPLED = SamplingParams(n=3, temperature=1.0, max_new_tokens=MAX_NEW, seed=5)  # stops at eos (7)
 NEED = pages_for(11 + MAX_NEW - 1, 2)  # pages of 2 the longest row writes into: 9
 TIGHT = NEED + 2  # pages a device (one scratch): one more usable page than the longest row needs
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hf")
-    make_hf_model(d, vocab_size=96, initializer_range=0.3, eos_token_id=7)
-    m = load_hf(d)
-    return m.cfg, split_model(m)[1]
 
 
 def paged(model, **kw) -> JaxEngine:

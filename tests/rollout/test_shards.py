@@ -11,22 +11,12 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import compile_watch, sharding
-from jaxrl_llm.models import load_hf, split_model
 from jaxrl_llm.rollout import JaxEngine, SamplingParams
 from jaxrl_llm.rollout import shard as shard_mod
 from jaxrl_llm.rollout.dealer import Dealer, deal
 from jaxrl_llm.rollout.ladders import ATTN_BYTES, Ladders
 from jaxrl_llm.rollout.programs import _load_on
 from jaxrl_llm.rollout.scheduler import PrefillTask, Row, RowStore
-from tests.hf_models import make_hf_model
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hf")
-    make_hf_model(d, vocab_size=96, initializer_range=0.3, eos_token_id=7)
-    m = load_hf(d)
-    return m.cfg, split_model(m)[1]
 
 
 def rows_of(prompt_lens: list[int], n: int, budget) -> list[list[Row]]:

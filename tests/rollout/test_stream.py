@@ -13,21 +13,11 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import sharding
-from jaxrl_llm.models import load_hf, split_model
 from jaxrl_llm.rollout import JaxEngine, SamplingParams
 from jaxrl_llm.rollout.stream import RolloutStream
-from tests.hf_models import make_hf_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], [20, 21, 22, 23]]
 LONG = SamplingParams(n=2, temperature=0.0, max_new_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hf")
-    make_hf_model(d, vocab_size=96, initializer_range=0.3, eos_token_id=7)
-    m = load_hf(d)
-    return m.cfg, split_model(m)[1]
 
 
 def engine(model, params=None, data: int = 2, **kw):
