@@ -16,6 +16,7 @@ function in the module of its kind (or a new module, then import it here), emit 
   memory        memory (XLA's compiled memory of a run's step, the memory matrix)
   weights       sync, weights_checkpoint, weight_path
   sync_split    sync_split (async training's weight sync, training mesh -> rollout mesh on other devices)
+  async_rl      async_longtail (one_step_off and fully_async against the synchronous step, long-tailed lengths)
   lora_sync     lora_sync;  quant: quant;  moe: moe_grouped, moe_update, moe_decode
   decode_kernel, paged_kernel   the Pallas decode kernels alone
   torch_peers   torch (transformers peers and the parity reference; a command of its own)
@@ -23,6 +24,7 @@ function in the module of its kind (or a new module, then import it here), emit 
 """
 
 from jaxrl_llm.bench import (  # noqa: F401  (each registers its sections)
+    async_rl,
     decode,
     decode_kernel,
     gen,

@@ -90,6 +90,11 @@ class AsyncRLTrainer(RLTrainer):
             return self._one_step_off(step)
         return self._fully_async(step)
 
+    def close(self) -> None:
+        """Stops the rollout side (its stream or its thread); what `fit()` does at its end. For callers that drive
+        `step()` themselves (the async_longtail benchmark)."""
+        self._shutdown()
+
     def _shutdown(self) -> None:
         self._stop_stream(abort=True)
         if self._future is not None:

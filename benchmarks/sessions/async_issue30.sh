@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 30 (asynchronous training on split devices) on every GPU of one host (x4 for the acceptance; x2 gives a
+# 1 + 1 figure): run from the repo root with .whl and .bench_data carried; results land in $OUT. PHASES picks
+# the phases (default: all, in this order):
+#   sync   the weight sync between the meshes (sync_split), 7B bf16 and fp32 masters and LoRA adapters, every
+#          split the GPUs allow, against a plain device_put (target: 7B bf16 in <= 0.1 s, no host copy)
+#   long   async_longtail: sync, one_step_off and fully_async with partial rollouts on the same heavy tail of
+#          response lengths (up to 8,192), ROLLOUT_GPUS of the K GPUs generating (default K / 2)
+#          (targets on 4 GPUs: one_step_off >= 1.25x sync's samples/s, fully_async >= 1.6x, wait <= 15% of a step)
+source "$(dirname "$0")/common.sh"
+nvidia-smi -L | tee "$OUT/gpus.txt"
+K=$(nvidia-smi -L | wc -l)
+CACHE=/tmp/jaxcache
+for phase in ${PHASES:-sync long}; do
+  echo "=== $phase"
+  case $phase in
+    sync)
+      run sync_split "${T_SYNC:-300}" python3 -m jaxrl_llm.bench --sections sync_split --presets qwen2p5_7b \
+        --sync_splits "${SPLITS:-1+1,2+2,2tp2+2,1+3,3+1}" --repeats 5 --compile_cache $CACHE ;;
+    long)
+      run async_longtail "${T_LONG:-560}" python3 -m jaxrl_llm.bench --sections async_longtail \
+        --train_presets "${PRESET:-qwen2p5_1p5b}" --rollout_gpus "${ROLLOUT_GPUS:-$((K / 2))}" \
+        --steps "${STEPS:-5}" --prompts_per_gpu "${PROMPTS:-16}" --long_cap "${CAP:-8192}" --compile_cache $CACHE ;;
+  esac
+done

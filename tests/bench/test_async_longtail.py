@@ -1,0 +1,38 @@
+"""The `async_longtail` benchmark section on simulated CPU devices: each mode trains on the same heavy-tailed
+response lengths (EOS off, so every row runs to its drawn length, the stream's rows too) and the summary compares
+it with the synchronous step; a split that does not fit is one clear error."""
+
+import json
+
+import pytest
+
+from jaxrl_llm.bench import __main__ as cli
+from jaxrl_llm.bench.async_rl import plan_devices
+from jaxrl_llm.bench.harness import ROWS
+
+
+@pytest.fixture
+def own_rows():
+    ROWS.rows.clear()
+    yield
+    ROWS.rows.clear()
+
+
+def test_every_mode_runs_the_same_long_tail_and_is_compared_with_sync(tmp_path, own_rows):
+    cli.main(["--sections", "async_longtail", "--small", "--steps", "1", "--rollout_gpus", "1", "--train_gpus", "1",
+              "--async_modes", "sync,fully_async", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench.json").read_text())["results"]
+    steps = {(r["mode"], r["step"]): r for r in rows if r["section"] == "async_longtail"}
+    assert sorted(steps) == [("fully_async", 0), ("sync", 0)]
+    for mode in ("sync", "fully_async"):  # the tail reaches the cap (64), most rows are far shorter
+        assert steps[mode, 0]["response_max"] == 64 and steps[mode, 0]["response_mean"] < 32, steps[mode, 0]
+    assert steps["sync", 0]["devices"] == 2 and steps["fully_async", 0]["rollout_gpus"] == 1
+    summary = {r["mode"]: r for r in rows if r["section"] == "async_longtail_summary"}
+    assert summary["sync"]["vs_sync"] == 1.0 and summary["fully_async"]["vs_sync"] > 0
+
+
+def test_the_device_split_defaults_to_halves_and_one_that_does_not_fit_is_one_clear_error():
+    assert plan_devices(None, None, 4) == (2, 2) and plan_devices(1, None, 4) == (1, 3)
+    for rollout, train in ((6, 4), (4, None)):
+        with pytest.raises(ValueError, match=r"--rollout_gpus \d --train_gpus \d: need at least one each"):
+            plan_devices(rollout, train, 4)
