@@ -39,6 +39,24 @@ def tokenizer():
 
 
 @functools.cache
+def gsm8k_test_file() -> str:
+    """GSM8K's test split as veRL-schema jsonl, what the training sections read: `.bench_data/`'s, or one written
+    once a process from `../shared/data/gsm8k/test.jsonl` (a fresh clone has no `.bench_data/`)."""
+    d = data_dir()
+    path = os.path.join(d, "gsm8k_test.jsonl")
+    if os.path.exists(path):
+        return path
+    import tempfile
+
+    from jaxrl_llm.data.gsm8k import load_gsm8k_rows
+
+    path = os.path.join(tempfile.mkdtemp(prefix="bench_gsm8k_"), "gsm8k_test.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in load_gsm8k_rows("test", os.path.join(d, "gsm8k")))
+    return path
+
+
+@functools.cache
 def _questions() -> tuple[str, ...]:
     d = data_dir()
     path = os.path.join(d, "gsm8k_test.jsonl")
@@ -113,7 +131,7 @@ def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat
                             else None,
                             # LoRA on every linear layer (rank 0: full fine-tuning), at 10x the learning rate
                             lora_rank=lora_rank, lora_alpha=lora_alpha, base_quantization=base_quantization),
-        data=C.DataConfig(source="files", train_files=(os.path.join(d, "gsm8k_test.jsonl"),),
+        data=C.DataConfig(source="files", train_files=(gsm8k_test_file(),),
                           train_batch_size=prompts, max_prompt_length=max_prompt, max_response_length=max_response),
         rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=max_batch, decode_attention=decode_attention,
                                 kv_cache=kv_cache),
