@@ -8,14 +8,6 @@ import pytest
 
 from jaxrl_llm.bench import __main__ as cli
 from jaxrl_llm.bench.async_rl import plan_devices
-from jaxrl_llm.bench.harness import ROWS
-
-
-@pytest.fixture
-def own_rows():
-    ROWS.rows.clear()
-    yield
-    ROWS.rows.clear()
 
 
 def test_every_mode_runs_the_same_long_tail_and_is_compared_with_sync(tmp_path, own_rows):

@@ -7,16 +7,7 @@ import json
 import pytest
 
 from jaxrl_llm.bench import __main__ as cli
-from jaxrl_llm.bench.harness import ROWS
 from jaxrl_llm.bench.sync_split import parse_split
-
-
-@pytest.fixture
-def own_rows():
-    """The harness keeps rows in one process-wide list: this test's rows neither see nor outlive others'."""
-    ROWS.rows.clear()
-    yield
-    ROWS.rows.clear()
 
 
 def test_the_section_runs_on_cpu_and_flags_the_naive_host_copy(tmp_path, own_rows):
