@@ -43,15 +43,20 @@ class GroupResult:
     finish_reasons: list[str]
 
     @property
+    def _sampled_versions(self) -> np.ndarray:
+        """The versions of the tokens the rows hold (padding left out)."""
+        return self.versions[np.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]]
+
+    @property
     def oldest_version(self) -> int:
-        mask = np.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
-        return int(self.versions[mask].min()) if mask.any() else 0
+        v = self._sampled_versions
+        return int(v.min()) if v.size else 0
 
     @property
     def partial(self) -> bool:
         """Whether its tokens span more than one weight version (a partial rollout)."""
-        mask = np.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
-        return bool(mask.any() and self.versions[mask].max() != self.versions[mask].min())
+        v = self._sampled_versions
+        return bool(v.size and v.max() != v.min())
 
 
 @dataclasses.dataclass(eq=False)

@@ -70,6 +70,14 @@ def batch_from_groups(groups, pad_id: int, version: int) -> RolloutBatch:
                         token_versions=versions)
 
 
+def overlap_metrics(*, wait: float, step_s: float, busy: float, wall: float, version: int) -> dict[str, float]:
+    """How each side spent the step: the trainer waiting for rollouts (`wait` of its `step_s`), the rollout devices
+    with rows in flight (`busy` of the `wall` seconds they had), and the weights' version the rollout side runs."""
+    return {"timing_s/wait_prev_gen": wait, "trainer/idle_ratio": wait / step_s,
+            "rollouter/active_time": busy, "rollouter/idle_ratio": max(0.0, 1 - busy / wall),
+            "timing_s/rollout_wait": max(0.0, wall - busy), "fully_async/version": float(version)}
+
+
 def staleness_metrics(batch: RolloutBatch, version: int, n: int) -> dict[str, float]:
     """How far behind the trainer's weights (`version`) the batch's tokens were sampled, per sample (a prompt's n
     rows): fully_async/staleness/{mean,max}, veRL's stale counts and partial-rollout metrics for this step."""

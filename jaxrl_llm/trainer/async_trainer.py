@@ -34,6 +34,7 @@ from jaxrl_llm.trainer.async_state import (
     batch_from_arrays,
     batch_from_groups,
     mean_metrics,
+    overlap_metrics,
     pack,
     pack_obj,
     staleness_metrics,
@@ -145,10 +146,8 @@ class AsyncRLTrainer(RLTrainer):
         metrics = self.train_step(prompts, k, ro=ro, sync=False)
         wall = time.perf_counter() - t_step
         metrics.update(staleness_metrics(sampled, k, self.n))
-        metrics.update({"timing_s/wait_prev_gen": wait, "rollouter/active_time": gen_s, "timing_s/sync": sync_s,
-                        "trainer/idle_ratio": wait / wall, "rollouter/idle_ratio": max(0.0, 1 - gen_s / wall),
-                        "timing_s/rollout_wait": max(0.0, wall - gen_s), "fully_async/version": float(k),
-                        **self.worker.obj.weight_sync_metrics()})
+        metrics.update(overlap_metrics(wait=wait, step_s=wall, busy=gen_s, wall=wall, version=k))
+        metrics.update({"timing_s/sync": sync_s, **self.worker.obj.weight_sync_metrics()})
         return metrics
 
     # ---- fully async -------------------------------------------------------------------------------
@@ -263,12 +262,11 @@ class AsyncRLTrainer(RLTrainer):
         self._sync_stream(k + 1)
         metrics["timing_s/sync"] = time.perf_counter() - t0
         metrics.update(self.worker.obj.weight_sync_metrics())
-        wall, busy = time.perf_counter() - self._wall0, self._stream.busy_seconds() - self._busy0
-        self._busy0, self._wall0 = self._stream.busy_seconds(), time.perf_counter()
-        metrics.update({"trainer/idle_ratio": metrics["timing_s/wait_prev_gen"] / (time.perf_counter() - t_step),
-                        "rollouter/idle_ratio": max(0.0, 1 - busy / wall), "fully_async/version": float(k + 1),
-                        "timing_s/rollout_wait": max(0.0, wall - busy), "rollouter/active_time": busy,
-                        "fully_async/queue_size": float(self._queue.qsize()),
+        now, busy_total = time.perf_counter(), self._stream.busy_seconds()
+        metrics.update(overlap_metrics(wait=metrics["timing_s/wait_prev_gen"], step_s=now - t_step,
+                                       busy=busy_total - self._busy0, wall=now - self._wall0, version=k + 1))
+        self._busy0, self._wall0 = busy_total, now
+        metrics.update({"fully_async/queue_size": float(self._queue.qsize()),
                         "fully_async/count/stale_samples_dropped_total": float(self._dropped)})
         return metrics
 
