@@ -25,13 +25,14 @@ for phase in ${PHASES:-check gen e2e}; do
         >> "$OUT/gen.log" 2>&1
       echo "rc=$?"; python3 - <<'EOF'
 import json
-for line in open("/tmp/out_gen/rows.jsonl"):
+import glob
+for line in (l for f in sorted(glob.glob("/tmp/out_gen/*/rows.jsonl")) for l in open(f)):
     r = json.loads(line)
     print({k: r.get(k) for k in ("engine", "devices", "rep", "seconds", "compile_s", "tokens_per_s", "kv_segments",
                                  "kv_shard_segments", "kv_plan_s", "kv_programs_compiled", "kv_programs_moved",
                                  "kv_programs_loaded", "error")})
 EOF
-      cp /tmp/out_gen/rows.jsonl "$OUT/gen.jsonl" ;;
+      cat /tmp/out_gen/*/rows.jsonl > "$OUT/gen.jsonl" ;;
     e2e)
       for kv in ${KV:-paged dense}; do
         for tensor in ${TENSORS:-1 2}; do  # fsdp over the rest of the GPUs

@@ -37,6 +37,10 @@ option("--attention", help="gen, long: the engine's decode attention", default="
 option("--max_num_seqs", type=int, help="gen, long: the paged engine's rows at once (a shard's)", default=1024)
 option("--devices", help="gen, long: GPUs a run uses (comma-separated, each in a process of its own: e.g. 1,2)",
        default="1")
+option("--shard_work", choices=("drawn", "tiled"), default="drawn",
+       help="gen, long: on K GPUs, 'drawn' draws K times a GPU's share of prompts and lengths; 'tiled' gives each "
+       "shard a copy of what one GPU gets (the same prompts and lengths), so K GPUs against 1 compares equal work "
+       "(a drawn call's longest response is the longest of K times the rows)")
 option("--log_compiles", action="store_true", help="gen, long: log every program's tracing, lowering and compile "
        "(or cache hit) to <out>/jaxlog_*.txt, to find what a warm cache misses")
 option("--schedules", help="seed_gen: dense decode schedules (every<K>: drop finished rows every K steps)",
@@ -114,11 +118,22 @@ def generation(opts, section: str):
         for engine in opts.engines.split(","):
             for devices in str(opts.devices).split(","):
                 one(preset, engine, section, opts.repeats, opts.attention, opts.max_num_seqs, opts.log_compiles,
-                    opts.out, devices=int(devices))
+                    opts.out, devices=int(devices), shard_work=opts.shard_work)
+
+
+def workload(prompts_all: list, rep: int, per_gpu: int, n: int, devices: int, shard_work: str, lengths) -> tuple:
+    """Repeat `rep`'s prompts and response lengths (`lengths(rows, seed)`) for `devices` GPUs of `per_gpu` prompts
+    x `n` each: 'drawn' takes `devices` shares of new prompts and lengths; 'tiled' one share, copied `devices` times
+    (the engine's dealer then hands every shard one GPU's groups, up to swaps between groups of equal cost:
+    tests/bench/test_gen_workload.py)."""
+    draws = devices if shard_work == "drawn" else 1
+    k = per_gpu * draws
+    prompts = prompts_all[rep * k:(rep + 1) * k]
+    return prompts * (devices // draws), np.tile(lengths(k * n, seed=rep), devices // draws)
 
 
 def one(preset: str, engine: str, section: str, repeats: int, attention: str, max_num_seqs: int,
-        log_compiles: bool = False, out_dir: str | None = None, devices: int = 1):
+        log_compiles: bool = False, out_dir: str | None = None, devices: int = 1, shard_work: str = "drawn"):
     import logging
 
     from jaxrl_llm import sharding
@@ -144,8 +159,8 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
     cfg = PRESETS[preset](dtype="bfloat16", param_dtype="bfloat16", **extra)
     params = init_params(cfg, seed=0)
     jax.block_until_ready(params)
-    n_prompts, n = (128 * devices, 5) if section == "gen" else (64 * devices, 5)
-    prompts_all = gsm8k_prompts(n_prompts * (repeats + 1), vocab_size=cfg.vocab_size)
+    per_gpu, n = (128, 5) if section == "gen" else (64, 5)
+    prompts_all = gsm8k_prompts(per_gpu * devices * (repeats + 1), vocab_size=cfg.vocab_size)
     max_new = 1024 if section == "gen" else 16384
     mesh = sharding.make_mesh(1, devices, 1, devices=jax.devices()[:devices]) if devices > 1 else None
     if engine == "dense":
@@ -158,8 +173,8 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
     params = None
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
     for rep in range(repeats + 1):
-        prompts = prompts_all[rep * n_prompts:(rep + 1) * n_prompts]
-        lens = (seed_response_lengths if section == "gen" else long_lengths)(n_prompts * n, seed=rep)
+        prompts, lens = workload(prompts_all, rep, per_gpu, n, devices, shard_work,
+                                 seed_response_lengths if section == "gen" else long_lengths)
         compiles.reset()
         if log_handler:
             log_handler.stream.write(f"=== repeat {rep}\n")
@@ -167,7 +182,7 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
         try:
             out = eng.generate(prompts, sp.replace(seed=rep), max_new_tokens_per_row=lens)
         except Exception as e:  # noqa: BLE001 (the row records the failure, e.g. out of memory)
-            emit(section=section, preset=preset, engine=engine, devices=devices, rep=rep,
+            emit(section=section, preset=preset, engine=engine, devices=devices, shard_work=shard_work, rep=rep,
                  error=f"{type(e).__name__}: {str(e)[:300]}")
             return
         dt = time.perf_counter() - t0
@@ -176,7 +191,8 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
         stats = getattr(eng, "last_stats", {})
         row_steps = stats["row_steps"] if engine == "paged" else sum(
             r["rows"] * (r["t1"] - r["t0"]) for r in eng.last_trace if r["phase"] == "decode")
-        emit(section=section, preset=preset, engine=engine, devices=devices, attention=eng.decode_attention, rep=rep,
+        emit(section=section, preset=preset, engine=engine, devices=devices, shard_work=shard_work,
+             attention=eng.decode_attention, rep=rep,
              seconds=round(dt, 3), compile_s=round(compiles.seconds, 3), tokens=int(lens.sum()),
              tokens_per_s=round(float(lens.sum() / dt), 1),
              row_steps_per_token=round(row_steps / lens.sum(), 3) if row_steps else None,
