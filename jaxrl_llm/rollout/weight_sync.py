@@ -77,7 +77,7 @@ class _Portable:
     """A ghost as plain values (devices by id), for a message to another process (devices do not pickle)."""
 
     shape: tuple
-    dtype: str
+    dtype: str  # by name: numpy spells bfloat16 '|V2'
     devices: np.ndarray  # [mesh shape] device ids
     axes: tuple
     axis_types: tuple
@@ -86,14 +86,14 @@ class _Portable:
     def ghost(self, by_id: dict) -> jax.ShapeDtypeStruct:
         mesh = Mesh(np.vectorize(by_id.__getitem__, otypes=[object])(self.devices), self.axes,
                     axis_types=self.axis_types)
-        return _ghost(self.shape, np.dtype(self.dtype), NamedSharding(mesh, self.spec))
+        return _ghost(self.shape, jnp.dtype(self.dtype), NamedSharding(mesh, self.spec))
 
 
 def portable(tree):
     """`ghosts(tree)` as picklable values; `from_portable` turns them back into ghosts in another process."""
     def one(x):
         mesh, spec = source_of(x, "portable")
-        return _Portable(tuple(x.shape), np.dtype(x.dtype).str, np.vectorize(lambda d: d.id)(mesh.devices),
+        return _Portable(tuple(x.shape), jnp.dtype(x.dtype).name, np.vectorize(lambda d: d.id)(mesh.devices),
                          tuple(mesh.axis_names), tuple(mesh.axis_types), spec)
     return jax.tree.map(one, tree)
 
