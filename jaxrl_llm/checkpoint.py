@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 
 import jax
 import orbax.checkpoint as ocp
@@ -52,15 +53,60 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def _processes() -> ocp.options.MultiprocessingOptions:
+    """Orbax's processes: every one, or (an async run over several processes) the training side's alone, whose
+    barriers the rollout processes never join."""
+    group = distributed.group()
+    if jax.distributed.is_initialized() and len(group) < jax.process_count():
+        _orbax_sees_the_side()
+        return ocp.options.MultiprocessingOptions(primary_host=group[0], active_processes=set(group),
+                                                  barrier_sync_key_prefix="train")
+    return ocp.options.MultiprocessingOptions()
+
+
+class _SideJax(types.ModuleType):
+    """`jax` as Orbax's array handler sees it on an async run's training side: the process count is the side's."""
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+    @staticmethod
+    def process_count() -> int:
+        return distributed.process_count()
+
+
+def _orbax_sees_the_side() -> None:
+    """Orbax takes `jax.process_count()` for the processes that save: it refuses a fully addressable array when the
+    count is over 1 (a pmap host-local array, which every host would write), and it expects every process's array
+    metadata. On an async run's training side (processes 0..T-1 of the run: `distributed.set_group`) the rollout
+    processes save nothing, and a side of one process holds exactly such arrays, written by it alone. So the
+    training processes show Orbax their own count, in its two lookups of it; its barriers take
+    `active_processes` (`_processes`). Process indices need no change: the training side's are 0..T-1."""
+    from orbax.checkpoint._src.multihost import multihost
+    from orbax.checkpoint._src.serialization import jax_array_handlers
+
+    if not isinstance(jax_array_handlers.jax, _SideJax):
+        jax_array_handlers.jax = _SideJax("jax")
+        multihost.process_count = distributed.process_count
+
+
 class RunCheckpointer:
     """Saves and restores a run's train states and metadata under `directory`."""
 
     def __init__(self, directory: str, *, max_to_keep: int | None = 2, async_save: bool = True,
                  read_only: bool = False):
         self.directory = os.path.abspath(directory)
+        processes = _processes()
+        create = not read_only
+        if create and processes.active_processes is not None:  # Orbax creates no root for a subset of processes
+            if distributed.is_main():
+                os.makedirs(self.directory, exist_ok=True)
+            distributed.barrier("checkpoint_dir")
+            create = False
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else max_to_keep, enable_async_checkpointing=async_save,
-            create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only)
+            create=create, read_only=read_only, cleanup_tmp_directories=not read_only,
+            multiprocessing_options=processes)
         handlers = {"actor": ocp.StandardCheckpointHandler(), "critic": ocp.StandardCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         try:

@@ -13,6 +13,13 @@ all processes. The helpers here keep that true:
   process logs and writes the run's files.
 
 With one process every helper reduces to the plain single-process call.
+
+*Groups.* An asynchronous run over several processes (trainer/placement.py) splits them into training processes
+and rollout processes, each side one SPMD program of its own. `set_group(processes)` scopes these helpers to
+this process's side: `process_count`, `process_index`, `is_main`, `share`, the gathers and the barrier then
+involve that side's processes only (a collective over every process would wait forever for the other side,
+which runs other programs). Both sides stay in one `jax.distributed` cluster, so a program over devices of
+both (the weight sync) and the coordination service's key-value store (`kv_*`) still reach everything.
 """
 
 from __future__ import annotations
@@ -121,14 +128,37 @@ def initialize(spec: ProcessSpec, *, heartbeat_timeout_s: int = 60, init_timeout
              jax.local_device_count(), jax.device_count())
 
 
+_barriers = 0
+_group: tuple[int, ...] | None = None  # this process's side of an async run (`set_group`); None: every process
+
+
+def set_group(processes) -> None:
+    """Scopes the helpers below to `processes` (global process indices, this one among them); None: all."""
+    global _group
+    if processes is not None and jax.process_index() not in processes:
+        raise DistributedError(f"set_group({list(processes)}): this process ({jax.process_index()}) is not in it")
+    _group = None if processes is None else tuple(sorted(processes))
+
+
+def group() -> tuple[int, ...]:
+    """The global indices of the processes these helpers span (every process, unless `set_group` said)."""
+    return _group if _group is not None else tuple(range(jax.process_count() if jax.distributed.is_initialized()
+                                                         else 1))
+
+
 def process_count() -> int:
-    """Processes in the run; 1 without touching a backend when `jax.distributed` was not initialised (a
-    driver process that holds no devices must not grab them)."""
+    """Processes in the run (in this side's group); 1 without touching a backend when `jax.distributed` was not
+    initialised (a driver process that holds no devices must not grab them)."""
+    if _group is not None:
+        return len(_group)
     return jax.process_count() if jax.distributed.is_initialized() else 1
 
 
 def process_index() -> int:
-    return jax.process_index() if jax.distributed.is_initialized() else 0
+    """This process's index in the run (in its side's group)."""
+    if not jax.distributed.is_initialized():
+        return 0
+    return _group.index(jax.process_index()) if _group is not None else jax.process_index()
 
 
 def is_main() -> bool:
@@ -174,9 +204,26 @@ def allgather_host(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x)
     if process_count() == 1:
         return x[None]
+    if _group is not None:
+        return _group_allgather(x)
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
+
+
+def _group_allgather(x: np.ndarray) -> np.ndarray:
+    """`allgather_host` over the group's processes alone: an all-gather over one device of each."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    first = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+    mesh = Mesh(np.asarray([first[p] for p in _group]), ("processes",))
+    mine = jax.device_put(x[None], first[jax.process_index()])
+    stacked = jax.make_array_from_single_device_arrays((len(_group), *x.shape),
+                                                       NamedSharding(mesh, PartitionSpec("processes")), [mine])
+    out = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))(stacked)
+    return np.asarray(out.addressable_data(0))
 
 
 def allgather_objects(obj) -> list:
@@ -210,9 +257,25 @@ def share(n: int) -> slice:
 def barrier(name: str) -> None:
     """Waits until every process reaches the barrier `name` (a no-op for one process)."""
     if process_count() > 1:
+        if _group is not None:
+            global _barriers
+            _barriers += 1  # a barrier id is used once
+            kv_client().wait_at_barrier(f"jaxrl_llm/{name}/{_barriers}", 600_000, process_ids=list(_group))
+            return
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def kv_client():
+    """The coordination service's client (its key-value store carries small host messages between processes:
+    the async trainer's commands and finished samples, never weights)."""
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise DistributedError("the key-value store needs jax.distributed to be initialised (several processes)")
+    return client
 
 
 class HostShards:

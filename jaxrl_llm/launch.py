@@ -10,7 +10,9 @@ process's output goes to `<train.run_dir>/logs/process_<i>.log`, and process 0's
 When one fails or dies, the launcher stops the others (SIGTERM, then SIGKILL) and exits with that child's
 code and one line naming the process and its cause (its error line, its exception, or the signal); the
 others' tracebacks stay in their logs. A killed or crashed run resumes from its last checkpoint when
-started again; a process that stopped on bad input (exit code 2) is reported as such. For several hosts,
+started again; a process that stopped on bad input (exit code 2) is reported as such. An async run
+(`async_training.mode`) places its sides by process: the first `train.nnodes` processes train, the next
+`rollout.nnodes` generate (trainer/placement.py), as the Ray driver does. For several hosts,
 run `python -m jaxrl_llm.train` once per host with --coordinator_address/--num_processes/--process_id
 instead (or use the Ray driver).
 """
@@ -164,13 +166,21 @@ def _failure_line(i: int, n: int, code: int, cause: str, out: _Output, run_dir: 
             f"output: {logs}/). Rerun the same command to resume from the last checkpoint{_last_checkpoint(run_dir)}")
 
 
-def check_train_args(train_args: list[str]) -> str:
+def check_train_args(train_args: list[str], num_processes: int = 1, devices_per_process: int | None = None) -> str:
     """Parses the training flags as each process will, so a bad one is reported once, before any process
-    starts (raises the trainer's UsageError); returns the run dir."""
-    from jaxrl_llm.train import parse_args, parse_config
+    starts (raises the trainer's UsageError), and checks an async run's split over the processes; returns the
+    run dir."""
+    from jaxrl_llm.errors import ConfigValueError
+    from jaxrl_llm.train import UsageError, parse_args, parse_config
+    from jaxrl_llm.trainer.placement import check_processes
 
     args = parse_args(train_args)
-    return parse_config(args.gin_file, args.gin_param).trainer.run_dir
+    run = parse_config(args.gin_file, args.gin_param)
+    try:
+        check_processes(run, num_processes, devices_per_process)
+    except ConfigValueError as e:
+        raise UsageError(f"config: {e}") from None
+    return run.trainer.run_dir
 
 
 def launch(train_args: list[str], num_processes: int, *, gpus_per_process: int | None = None,
@@ -182,7 +192,7 @@ def launch(train_args: list[str], num_processes: int, *, gpus_per_process: int |
         from jaxrl_llm.train import UsageError, _one_line
 
         try:
-            run_dir = check_train_args(train_args)
+            run_dir = check_train_args(train_args, num_processes, gpus_per_process or devices_per_process)
         except UsageError as e:
             print(f"error: {_one_line(e)}", file=sys.stderr)
             return 2

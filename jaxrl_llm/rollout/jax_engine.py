@@ -123,7 +123,7 @@ class JaxEngine(EngineMemory, EngineWeights):
         self.warm_programs = (jax.devices()[0].platform != "cpu") if warm_programs == "auto" else bool(warm_programs)
         self._tensor = self.mesh.shape.get("tensor", 1)
         self.shards = self._make_shards()
-        me = distributed.process_index()
+        me = jax.process_index()  # the global index, as devices carry it (not the side's, distributed.set_group)
         self.local_shards = [s for s in self.shards if any(d.process_index == me for d in s.devices)]
         # Stealing depends on timing: only where no shard's devices span processes (see rollout/dealer.py).
         self._steal = all(len({d.process_index for d in s.devices}) == 1 for s in self.shards)

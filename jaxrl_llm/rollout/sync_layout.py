@@ -79,9 +79,11 @@ def source_of(x: jax.Array, where: str) -> tuple[Mesh, PartitionSpec]:
                     "NamedSharding (the trainer's `param_shardings`) or on one device")
 
 
-def make_route(source: Mesh, rollout_devices: Sequence[jax.Device]) -> Route:
-    """The route from `source`'s devices to `rollout_devices` (in the engine mesh's flat order)."""
-    _check_local(list(source.devices.flat) + list(rollout_devices))
+def make_route(source: Mesh, rollout_devices: Sequence[jax.Device], *, local: bool = True) -> Route:
+    """The route from `source`'s devices to `rollout_devices` (in the engine mesh's flat order); `local`: both in
+    this process (else the copies are one program over both processes' devices, rollout/union_copy.py)."""
+    if local:
+        _check_local(list(source.devices.flat) + list(rollout_devices))
     n_r, left = len(rollout_devices), len(rollout_devices)
     keep = {}
     for axis in reversed(source.axis_names):  # minor axes (tensor) first: the engine keeps them split too
@@ -104,9 +106,9 @@ def _check_local(devices) -> None:
     me = jax.process_index()
     far = sorted({d.process_index for d in devices} - {me})
     if far:
-        raise SyncError(f"the weight sync runs within one process; devices of process(es) {far} are not this "
-                        f"process's ({me}). Across processes the rollout and training meshes sync over NCCL "
-                        "(issue 30's many-process part), not with this class")
+        raise SyncError(f"this weight sync runs within one process; devices of process(es) {far} are not this "
+                        f"process's ({me}). Across processes give WeightSync a side ('send' on the training "
+                        "processes, 'receive' on the rollout's): the copies are then one program over both")
 
 
 def _spec_axes(spec: PartitionSpec) -> list[str]:

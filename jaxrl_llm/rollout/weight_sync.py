@@ -28,6 +28,14 @@ merges layer by layer (`EngineWeights._to_engine`, `quant.plain_layer`).
 
 Inside a sync, `no_host_copies()` makes any host round trip an error (`guard=True`), so a layout that JAX would
 move through the host fails loudly instead of taking 30x longer.
+
+*Across processes* (an async run whose rollout side is a process of its own, trainer/placement.py) each side makes
+a WeightSync with its `side`: 'send' on the training processes, 'receive' on the rollout's. Both run the same
+sync, step for step: the programs on the training devices run where those devices are (the receiver passes over
+them with the outputs' shapes), the programs on the rollout devices likewise, and each bucket's copies are one
+program over both sides' devices (rollout/union_copy.py: XLA collective-permutes, NCCL on GPUs). The receiver
+holds ghosts of the trainer's tree (`jax.ShapeDtypeStruct`s with the training shardings), sent as metadata
+(`plan_of` / `portable`: shapes, dtypes, device ids, specs); nothing else crosses but the shards.
 """
 
 from __future__ import annotations
@@ -47,8 +55,56 @@ from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.hf_table import set_path
 from jaxrl_llm.models.lora import LORA_LEAVES, combine
 from jaxrl_llm.rollout.sync_layout import CopyPlan, Route, SyncError, make_route, source_of
+from jaxrl_llm.rollout.union_copy import UnionCopy
 
-__all__ = ["SyncError", "SyncStats", "WeightSync", "no_host_copies"]
+__all__ = ["SIDES", "SyncError", "SyncStats", "WeightSync", "from_portable", "ghosts", "no_host_copies", "portable"]
+
+SIDES = (None, "send", "receive")
+
+
+def _ghost(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def ghosts(tree):
+    """`tree`'s leaves as ShapeDtypeStructs with their shardings: what a receiving side mirrors a sync from
+    (picklable; the meshes name devices of every process)."""
+    return jax.tree.map(lambda x: _ghost(x.shape, x.dtype, x.sharding), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Portable:
+    """A ghost as plain values (devices by id), for a message to another process (devices do not pickle)."""
+
+    shape: tuple
+    dtype: str  # by name: numpy spells bfloat16 '|V2'
+    devices: np.ndarray  # [mesh shape] device ids
+    axes: tuple
+    axis_types: tuple
+    spec: PartitionSpec
+
+    def ghost(self, by_id: dict) -> jax.ShapeDtypeStruct:
+        mesh = Mesh(np.vectorize(by_id.__getitem__, otypes=[object])(self.devices), self.axes,
+                    axis_types=self.axis_types)
+        return _ghost(self.shape, jnp.dtype(self.dtype), NamedSharding(mesh, self.spec))
+
+
+def portable(tree):
+    """`ghosts(tree)` as picklable values; `from_portable` turns them back into ghosts in another process."""
+    def one(x):
+        mesh, spec = source_of(x, "portable")
+        return _Portable(tuple(x.shape), jnp.dtype(x.dtype).name, np.vectorize(lambda d: d.id)(mesh.devices),
+                         tuple(mesh.axis_names), tuple(mesh.axis_types), spec)
+    return jax.tree.map(one, tree)
+
+
+def from_portable(tree):
+    by_id = {d.id: d for d in jax.devices()}
+    return jax.tree.map(lambda p: p.ghost(by_id), tree, is_leaf=lambda x: isinstance(x, _Portable))
+
+
+def _arrays(tree) -> list:
+    return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
 
 KEEP_DTYPE = (quant.SCALE, *LORA_LEAVES)  # leaves the engine's merge reads in their own (fp32) precision
 
@@ -107,12 +163,18 @@ class WeightSync:
       bucket_bytes: the model bytes (in the engine dtype) a bucket program handles at most (at least a layer).
       in_flight: buckets dispatched before the sync waits for the oldest one's copies.
       guard: run every sync under `no_host_copies()`.
+      side: None (both meshes in this process), 'send' (this process holds training devices, the engine's are
+        another's) or 'receive' (this process holds the engine's devices; its calls take ghosts).
     """
 
     def __init__(self, cfg: DecoderConfig, engine_mesh: Mesh | None, *, dtype="bfloat16", bucket_bytes: int = 1 << 30,
-                 in_flight: int = 2, guard: bool = True):
+                 in_flight: int = 2, guard: bool = True, side: str | None = None):
         if bucket_bytes < 1 or in_flight < 1:
             raise SyncError(f"WeightSync: bucket_bytes={bucket_bytes}, in_flight={in_flight}; both must be >= 1")
+        if side not in SIDES:
+            raise SyncError(f"WeightSync: side={side!r}; use one of {SIDES}")
+        self.side = side
+        self._union = UnionCopy() if side is not None else None
         self.layers = {name: len(ids) for name, ids in cfg.layer_stacks.items()}
         self.devices = list(engine_mesh.devices.flat) if engine_mesh is not None else [jax.devices()[0]]
         self.dtype = jnp.dtype(dtype)
@@ -163,6 +225,23 @@ class WeightSync:
             self.base_once(actor.frozen)
         return self.adapters(actor.state["params"], lora_scale=actor.lora.scale)
 
+    def plan_of(self, actor) -> dict:
+        """What a receiving side needs to mirror the next `from_model_state(actor)`: ghosts of the trees it moves
+        (LoRA's frozen base only at the first sync) and LoRA's scale. Call it before that sync."""
+        if actor.lora is None:
+            return {"params": portable(actor.state["params"])}
+        return {"frozen": portable(actor.frozen) if self._base is None else None,
+                "trained": portable(actor.state["params"]), "lora_scale": actor.lora.scale}
+
+    def from_plan(self, plan: dict) -> dict:
+        """The receiving side's half of `from_model_state` (`side='receive'`): the same sync, from ghosts; returns
+        the arrays on the engine's devices."""
+        if "params" in plan:
+            return self(from_portable(plan["params"]))
+        if plan["frozen"] is not None:
+            self.base_once(from_portable(plan["frozen"]))
+        return self.adapters(from_portable(plan["trained"]), lora_scale=plan["lora_scale"])
+
     def describe(self, params: dict) -> list[str]:
         """One line per source mesh in `params`: what the sync does for it."""
         return sorted({leaf.route.describe() for leaf in self._leaves(params)})
@@ -174,7 +253,8 @@ class WeightSync:
     def _timed(self, tree: dict) -> dict:
         t0 = time.perf_counter()
         self.stats = SyncStats()
-        out = jax.block_until_ready(self._send(tree))
+        out = self._send(tree)
+        jax.block_until_ready(_arrays(out))
         self.stats.seconds = time.perf_counter() - t0
         return out
 
@@ -199,7 +279,7 @@ class WeightSync:
                 staging.update(zip(paths, new))
             pending.append(parts)
             if len(pending) >= self.in_flight:  # the oldest bucket's copies land before another program runs
-                jax.block_until_ready(pending.popleft())
+                jax.block_until_ready(_arrays(pending.popleft()))
         done.update(staging)
         out: dict = {}
         for leaf in leaves:
@@ -214,12 +294,13 @@ class WeightSync:
         for keys, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
             path = tuple(str(getattr(k, "key", k)) for k in keys)
             where = "/".join(path)
-            if not isinstance(x, jax.Array):
+            ghost = self.side == "receive" and isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None
+            if not isinstance(x, jax.Array) and not ghost:
                 raise SyncError(f"WeightSync: {where} is a {type(x).__name__}, not a jax.Array on the training "
                                 "devices; pass the trainer's device arrays (never host copies)")
             mesh, spec = source_of(x, where)
             if mesh not in self._routes:
-                self._routes[mesh] = make_route(mesh, self.devices)
+                self._routes[mesh] = make_route(mesh, self.devices, local=self.side is None)
             cast = (jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > self.dtype.itemsize
                     and path[-1] not in KEEP_DTYPE)
             stack = path[1] if len(path) > 2 and path[0] == "model" and path[1] in self.layers else None
@@ -230,6 +311,12 @@ class WeightSync:
         return out
 
     def _copy(self, leaves: list[_Leaf], arrays: list[jax.Array], load: dict) -> list[jax.Array]:
+        if self._union is not None:  # across processes: one program over both sides' devices
+            before = (self._union.bytes, self._union.count)
+            out = self._union.run(arrays, [leaf.target() for leaf in leaves], load)
+            self.stats.bytes += self._union.bytes - before[0]
+            self.stats.copies += self._union.count - before[1]
+            return out
         plan = CopyPlan(load)
         for leaf, x in zip(leaves, arrays):
             plan.add(x, leaf.target(), "/".join(leaf.path))
@@ -271,6 +358,10 @@ class WeightSync:
                 return [(x if rows is None else x[rows[0]:rows[1]]).astype(dt) for x, dt in zip(xs, dtypes)]
 
             self._programs[key] = jax.jit(program, out_shardings=[leaf.gathered() for leaf in bucket])
+            if self.side == "receive":  # the training devices run it; here, its outputs' shapes
+                self._programs[key] = lambda *xs: [
+                    _ghost(x.shape if rows is None else (rows[1] - rows[0],) + x.shape[1:], leaf.dtype, leaf.gathered())
+                    for x, leaf in zip(xs, bucket)]
         self.stats.buckets += 1
         per_device = 0
         for leaf in bucket:
@@ -286,6 +377,8 @@ class WeightSync:
             specs = [(leaf.x.shape, leaf.dtype) for leaf in leaves]
             self._programs[key] = jax.jit(lambda: [jnp.zeros(s, d) for s, d in specs],
                                           out_shardings=[leaf.target() for leaf in leaves])
+            if self.side == "send":  # the rollout devices run it
+                self._programs[key] = lambda: [_ghost(leaf.x.shape, leaf.dtype, leaf.target()) for leaf in leaves]
         return self._programs[key]()
 
     def _update_program(self, bucket: list[_Leaf], rows):
@@ -296,11 +389,15 @@ class WeightSync:
                 return [jax.lax.dynamic_update_slice_in_dim(f, p, rows[0], axis=0) for f, p in zip(fulls, parts)]
 
             self._programs[key] = jax.jit(update, donate_argnums=0, out_shardings=[leaf.target() for leaf in bucket])
+            if self.side == "send":  # the rollout devices run it
+                self._programs[key] = lambda fulls, parts: fulls
         return self._programs[key]
 
     def _prescale(self, trained: dict, scale: float) -> dict:
         """`trained` with every lora_b times `scale` in its own dtype, on the training devices (as
         `ModelState.engine_params`, so the engine's merge adds lora_a @ lora_b unscaled)."""
+        if self.side == "receive":  # the training devices pre-scale; the shapes stay
+            return trained
         leaves, treedef = jax.tree_util.tree_flatten_with_path(trained)
         key = ("prescale", scale, treedef, tuple((x.shape, x.dtype, x.sharding) for _, x in leaves))
         if key not in self._programs:

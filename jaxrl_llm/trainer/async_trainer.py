@@ -12,6 +12,10 @@ its own while the trainer updates, in one process, on two threads.
   once the rows in flight are done. The update is the decoupled objective: the trainer's own log-probs as the
   proximal policy, the sampler's through algorithm.rollout_correction.
 
+Over several processes (trainer/placement.py) the rollout side is a process of its own: `self.engine` and the stream
+are then proxies of the rollout process's (trainer/rollout_remote.py), the same calls as here, and the weights go
+there by one program over both sides' devices.
+
 A checkpoint is written at a sync point and carries what the rollout side holds: one_step_off the batch generated
 for the next step; fully_async the queued groups, the rows in flight (their tokens so far, prefilled again on
 resume) and the prompts drawn but not yet submitted. A failure on either side stops the run with one line.
@@ -44,6 +48,7 @@ from jaxrl_llm.trainer.async_state import (
 from jaxrl_llm.trainer.dynamic_sampling import draw_seed
 from jaxrl_llm.trainer.loop import RLTrainer
 from jaxrl_llm.trainer.rollout_batch import Rollout, build_train_batch, response_items
+from jaxrl_llm.trainer.rollout_remote import RemoteEngine, RemoteStream
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,7 @@ class AsyncRLTrainer(RLTrainer):
         super().__init__(run, operative_config=operative_config, inprocess=True)
         self.cfg = run.async_training
         self.engine = self.worker.obj.engine
+        self.remote = isinstance(self.engine, RemoteEngine)  # the rollout side is another process
         self.n = run.rollout.n
         self.pad_id = self.engine.pad_id
         saved = (self.resumed_meta or {}).get("async")
@@ -97,10 +103,14 @@ class AsyncRLTrainer(RLTrainer):
         self._shutdown()
 
     def _shutdown(self) -> None:
-        self._stop_stream(abort=True)
-        if self._future is not None:
-            self._future.cancel()
-        self._gen_thread.shutdown(wait=True)
+        try:
+            self._stop_stream(abort=True)
+            if self._future is not None:
+                self._future.cancel()
+            self._gen_thread.shutdown(wait=True)
+        finally:
+            if self.remote:
+                self.engine.stop()
 
     def sync_weights(self, version: int) -> None:
         """The actor's weights to the engine on the rollout devices (device to device)."""
@@ -157,8 +167,9 @@ class AsyncRLTrainer(RLTrainer):
         sp = self.sampling(0)
         per_step = self.run.data.train_batch_size
         capacity = math.ceil((1 + self.cfg.staleness_threshold) * per_step) + per_step
-        self._stream = RolloutStream(self.engine, sp, capacity=capacity, on_group=self._queue.put,
-                                     kv=self.cfg.partial_rollout_kv)
+        stream = RemoteStream if self.remote else RolloutStream
+        self._stream = stream(self.engine, sp, capacity=capacity, on_group=self._queue.put,
+                              kv=self.cfg.partial_rollout_kv)
         self._busy0, self._wall0 = self._stream.busy_seconds(), time.perf_counter()
         if self._saved is not None:  # resumed: the queued groups, then the rows that were in flight
             s, self._saved = self._saved, None
@@ -278,7 +289,10 @@ class AsyncRLTrainer(RLTrainer):
         try:
             if not self.cfg.partial_rollout:
                 self._stream.drain()
-            self._stream.stage_weights(self.worker.obj.rollout_weights(), version)
+            if self.remote:
+                self._stream.stage_from(self.worker.obj.actor, version)
+            else:
+                self._stream.stage_weights(self.worker.obj.rollout_weights(), version)
             if not self.cfg.partial_rollout:
                 self._stream.wait_swapped()
         finally:

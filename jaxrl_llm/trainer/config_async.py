@@ -14,7 +14,8 @@
   sampler's log-probs through algorithm.rollout_correction (TIS / MIS / RS).
 
 The split: `rollout.n_gpus_per_node` x `rollout.nnodes` devices generate, `train.n_gpus_per_node` x
-`train.nnodes` train (default: the rest), in one process.
+`train.nnodes` train (default: the rest), in one process; over several processes a node is a process of one side
+(trainer/placement.py).
 """
 
 from __future__ import annotations

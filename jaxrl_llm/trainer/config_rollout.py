@@ -59,7 +59,7 @@ class RolloutConfig:
     # async_training: the rollout's own devices (veRL's keys), apart from the trainer's; and its tensor-parallel
     # size there (veRL's tensor_model_parallel_size)
     n_gpus_per_node: int = 0
-    nnodes: int = 1  # async_training: the rollout's nodes (rollout.n_gpus_per_node each)
+    nnodes: int = 1  # async_training: the rollout's nodes (rollout.n_gpus_per_node each; over processes, processes)
     tensor_model_parallel_size: int = 1  # async_training: devices that split each rollout shard's heads
 
     def validate(self):

@@ -6,6 +6,9 @@ The driver reserves one placement-group bundle per process (its GPUs, or one CPU
 then does what a plainly launched process does (`jaxrl_llm.trainer.process.run_process`): joins the others with
 `jax.distributed`, and runs the whole RL loop as one process of the SPMD program.
 
+An async run's processes are placed as the plain launcher places them: bundle i is process i, the first
+`train.nnodes` train and the rest generate (trainer/placement.py).
+
 The driver only waits. When a process fails or dies, it stops the others and raises one error; the
 next start resumes from the last checkpoint.
 """
@@ -19,6 +22,7 @@ import socket
 
 from jaxrl_llm.distributed import DistributedError, ProcessSpec
 from jaxrl_llm.trainer.config import RunConfig
+from jaxrl_llm.trainer.placement import check_processes
 from jaxrl_llm.trainer.roles import init_ray
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,7 @@ def fit_on_ray(run: RunConfig, operative_config: str, *, log_level: str = "INFO"
 
     t = run.trainer
     n, per = t.num_processes, t.devices_per_process or 1
+    check_processes(run, n, per)  # an async run: training processes first, then the rollout's (as the launcher)
     init_ray(run)
     gpu = ray.cluster_resources().get("GPU", 0) > 0
     bundle = {"CPU": 1, "GPU": per} if gpu else {"CPU": 1}

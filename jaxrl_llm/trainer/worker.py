@@ -51,6 +51,7 @@ from jaxrl_llm.trainer.model_load import (
 from jaxrl_llm.trainer.model_state import ModelState, abstract_params
 from jaxrl_llm.trainer.optim import make_optimizer
 from jaxrl_llm.trainer.placement import rollout_mesh, split_devices
+from jaxrl_llm.trainer.rollout_remote import RemoteEngine
 from jaxrl_llm.trainer.worker_checkpoints import WorkerCheckpoints
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,11 @@ class TrainerWorker(WorkerCheckpoints):
         self._build_steps()
         self.engine = None
         self._weight_sync: WeightSync | None = None  # made at the first sync to the rollout's own devices
-        if run.rollout.engine == "jax" and not abstract:
+        if run.rollout.engine == "jax" and not abstract and self._remote_rollout():
+            # The rollout side is another process (trainer/placement.py): its engine, driven from here.
+            self.engine = RemoteEngine(self.cfg, rollout_mesh(run, self.rollout_devices))
+            self.memory.generation_held = {}
+        elif run.rollout.engine == "jax" and not abstract:
             mesh, rollout = self.mesh, run.rollout
             if self.rollout_devices is not None:  # the rollout's own devices: nothing of the trainer's there, and
                 mesh = rollout_mesh(run, self.rollout_devices)  # no update to give the KV pool to
@@ -126,6 +131,10 @@ class TrainerWorker(WorkerCheckpoints):
                                           max_prompt_length=engine_prompt_length(run),
                                           max_model_len=run.rollout.max_model_len or run.max_model_len)
             self.memory.check_engine(self.engine)  # the sampler's programs, where the engine reports them
+
+    def _remote_rollout(self) -> bool:
+        return self.rollout_devices is not None and any(d.process_index != jax.process_index()
+                                                        for d in self.rollout_devices)
 
     # The train states ({"params", "opt_state", "step", "skipped"}: what checkpoints hold), by role.
     @property
@@ -418,8 +427,11 @@ class TrainerWorker(WorkerCheckpoints):
         return metrics
 
     def sync_rollout_weights(self, step: int) -> None:
-        """Moves the new actor weights into the JAX engine, in device memory."""
-        if self.engine is not None:
+        """Moves the new actor weights into the JAX engine, in device memory (another process's: device to device
+        over one program of both sides' devices)."""
+        if isinstance(self.engine, RemoteEngine):
+            self.engine.sync_from(self.actor, step)
+        elif self.engine is not None:
             self.engine.update_weights(self.rollout_weights(), step=step)
             jax.block_until_ready(self.engine.params)
 
@@ -436,9 +448,11 @@ class TrainerWorker(WorkerCheckpoints):
     def weight_sync_metrics(self) -> dict[str, float]:
         """What the last sync to the rollout's own devices moved ({} colocated): `rollouter/weight_sync_mb`, copied
         device to device (with LoRA after the first sync, the adapters alone)."""
-        if self._weight_sync is None:
+        sync = self.engine.sync if isinstance(self.engine, RemoteEngine) else self._weight_sync
+        if sync is None:
             return {}
-        return {"rollouter/weight_sync_mb": self._weight_sync.stats.bytes / 2**20}
+        return {"rollouter/weight_sync_mb": sync.stats.bytes / 2**20,
+                "rollouter/weight_sync_cross_process": float(sync.side is not None)}
 
     def save_weights(self, directory: str, step: int, *, base: bool = False) -> str:
         """Writes the actor params as a weights-only Orbax checkpoint (for a vLLM pool), in the compute
