@@ -9,6 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import gc  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
@@ -20,10 +21,20 @@ import pytest  # noqa: E402
 # nothing carries over between jax versions or checkouts.
 # Under pytest-xdist the controller imports this file first and its workers inherit the variable, so the
 # workers share one cache.
+_OWN_CACHE = "JAXRL_TEST_XLA_CACHE" not in os.environ  # made here (by the controller), so removed at the end
 _CACHE = os.environ.setdefault("JAXRL_TEST_XLA_CACHE", tempfile.mkdtemp(prefix="jaxrl_test_xla_cache_"))
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# Processes the tests start inherit it too where nothing else sets one: a trainer worker in a Ray actor
+# (`train.driver='ray'`) compiled cold each time. (CLI runs keep their own `train.compilation_cache_dir`.)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Ray starts its workers (the trainer's processes and workers, the vLLM engines) at niceness 15. Beside the
+# other xdist worker, which runs at 0, they then got almost no CPU: a two-process run under the Ray driver
+# took minutes, and one of its processes missed gloo's 30 s rendezvous (a flaky failure under load).
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Test files that start a Ray cluster (in-process or in a child). They run one after another on one xdist
@@ -31,6 +42,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 RAY_FILES = {"tests/rewards/test_manager_ray.py", "tests/rollout/test_vllm_pool.py", "tests/trainer/test_loop_e2e.py",
              "tests/trainer/test_multiprocess.py", "tests/trainer/test_async_multiprocess.py"}
 SHARED_DATA = pathlib.Path(os.environ.get("JAXRL_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def pytest_unconfigure(config):
+    """The controller removes the cache it made (each session starts one afresh; /tmp kept them all)."""
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -183,9 +183,10 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def test_ray_driver_reports_a_dead_process(tmp_path):
-    cmd = runs.cli(tmp_path, *MESH, "train.driver='ray'", "train.num_processes=2", "train.devices_per_process=4",
-                   "train.save_freq=1", steps=8)
+def test_ray_driver_reports_a_dead_process(tmp_path, hf_dir):
+    # PPO as in test_two_processes_equal_one[ppo-ray]: its programs come from the compilation cache.
+    cmd = runs.cli(tmp_path, *_params("ppo", hf_dir), "train.driver='ray'", "train.num_processes=2",
+                   "train.devices_per_process=4", "train.save_freq=1", steps=8)
     proc = subprocess.Popen(cmd, cwd=runs.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=ENV)
     try:
