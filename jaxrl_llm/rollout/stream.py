@@ -68,7 +68,26 @@ class _Group:
     left: int
 
 
-class RolloutStream:
+class ThreadFailure:
+    """A background thread's exception, handed to the trainer's thread: the thread calls `fail`, the trainer
+    `check`. The class using it sets `error` (None) and `_cond` (a Condition its waiters wait on)."""
+
+    error: BaseException | None
+    _cond: threading.Condition
+
+    def fail(self, e: BaseException) -> None:
+        self.error = e
+        with self._cond:
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raises the rollout thread's failure in the caller's thread."""
+        if self.error is not None:
+            raise RolloutError(f"the rollout stream failed: {type(self.error).__name__}: {self.error}") \
+                from self.error
+
+
+class RolloutStream(ThreadFailure):
     """The engine's shards running on a thread of their own until `close`.
 
     Args:
@@ -112,15 +131,7 @@ class RolloutStream:
         try:
             self.engine.run_shards(self.dealer, self.spec, hooks=self)
         except BaseException as e:  # noqa: BLE001 (handed to the trainer's thread by `check`)
-            self.error = e
-            with self._cond:
-                self._cond.notify_all()
-
-    def check(self) -> None:
-        """Raises the rollout thread's failure in the caller's thread."""
-        if self.error is not None:
-            raise RolloutError(f"the rollout stream failed: {type(self.error).__name__}: {self.error}") \
-                from self.error
+            self.fail(e)
 
     # ---- shard hooks (called from the shards' threads) --------------------------------------------
     def at_boundary(self, shard, sched) -> None:

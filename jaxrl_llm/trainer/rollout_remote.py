@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 
 from jaxrl_llm import distributed
-from jaxrl_llm.rollout import RolloutError
+from jaxrl_llm.rollout.stream import ThreadFailure
 from jaxrl_llm.rollout.weight_sync import WeightSync
 from jaxrl_llm.trainer.channel import Channel
 
@@ -58,7 +58,7 @@ class RemoteEngine:
         self.command("stop")
 
 
-class RemoteStream:
+class RemoteStream(ThreadFailure):
     """A `RolloutStream` in the rollout process: `on_group` runs here, on a receiver thread, for each finished group."""
 
     def __init__(self, engine: RemoteEngine, sampling, *, capacity: int, on_group, kv: str = "recompute"):
@@ -86,14 +86,10 @@ class RemoteStream:
                     self.received += 1
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 (the trainer's thread raises it: `check`)
-            self.error = e
-            with self._cond:
-                self._cond.notify_all()
+            self.fail(e)
 
     def check(self) -> None:
-        if self.error is not None:
-            raise RolloutError(f"the rollout stream failed: {type(self.error).__name__}: {self.error}") \
-                from self.error
+        super().check()
         self.engine.channel.check()
 
     def submit(self, prompts, metas, *, seed: int, streams=None, max_new_tokens_per_row=None, partial=None) -> None:
