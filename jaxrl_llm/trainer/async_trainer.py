@@ -307,6 +307,8 @@ class AsyncRLTrainer(RLTrainer):
         restart = self._stream is not None
         if restart:
             self._stop_stream()
+        if self.remote and not self.engine.synced:  # validation before the first step: the rollout process has
+            self.sync_weights(self.global_step)  # no engine until its first weights
         try:
             return super().validate()
         finally:

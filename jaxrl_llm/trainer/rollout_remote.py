@@ -28,6 +28,7 @@ class RemoteEngine:
         self.channel = Channel(CHANNEL, readers=distributed.process_count())
         self.sync = WeightSync(cfg, mesh, dtype=cfg.dtype, side="send")
         self.version = 0
+        self.synced = False  # the rollout process builds its engine around the first weights it is sent
         self.last_stats: dict = {}
         self.main = distributed.is_main()
 
@@ -51,7 +52,7 @@ class RemoteEngine:
         at the shards' next boundary) weights of `version`."""
         self.command("stage" if stage else "sync", version, self.sync.plan_of(actor))
         self.sync.from_model_state(actor)
-        self.version = version
+        self.version, self.synced = version, True
 
     def stop(self) -> None:
         """Ends the rollout process's loop (the end of the run)."""

@@ -16,8 +16,8 @@ from jaxrl_llm.trainer.placement import check_processes
 from tests.trainer import runs
 
 SPLIT = ("rollout.n_gpus_per_node=1", "train.n_gpus_per_node=1")
-MODES = {
-    "one_step_off": ("async_training.mode='one_step_off'", *SPLIT),
+MODES = {  # one step off also validates before the first step (the rollout process has no weights until a sync)
+    "one_step_off": ("async_training.mode='one_step_off'", "train.val_before_train=True", *SPLIT),
     "fully_async": ("async_training.mode='fully_async'", "actor.ppo_mini_batch_size=8", *SPLIT),
 }
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -44,9 +44,13 @@ def test_two_processes_train_exactly_as_one(tmp_path, mode, how):
     two = _two_processes(tmp_path / "two", how, *MODES[mode])
     assert two.returncode == 0, two.stderr[-3000:]
     want, got = (runs.by_step(runs.metrics(tmp_path / d)) for d in ("one", "two"))
-    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    validated = [0] if mode == "one_step_off" else []  # step 0: the validation before training, alone
+    assert sorted(got) == sorted(want) == validated + list(range(1, STEPS + 1))
+    assert not validated or "val-core/mean" in got[0]  # (every key compared below)
     skip = ("trainer/idle", "rollouter/idle", "rollouter/active", "rollouter/weight_sync_cross_process")
     for step in want:
+        if step == 0:
+            continue  # compared below with the rest of its keys
         assert got[step]["rollouter/weight_sync_cross_process"] == 1 and want[step][
             "rollouter/weight_sync_cross_process"] == 0
         assert got[step]["rollouter/weight_sync_mb"] > 0
@@ -55,7 +59,7 @@ def test_two_processes_train_exactly_as_one(tmp_path, mode, how):
         for k in sorted(keys):  # the sampler-trainer log-prob gap is float noise (~1e-7) that XLA's threads vary
             atol = 1e-6 if k.startswith("actor/logprob_gap") else 1e-7
             np.testing.assert_allclose(got[step][k], want[step][k], rtol=1e-6, atol=atol, err_msg=f"step {step} {k}")
-    assert [got[s]["fully_async/version"] for s in got] == [want[s]["fully_async/version"] for s in want]
+    assert [got[s]["fully_async/version"] for s in got if s] == [want[s]["fully_async/version"] for s in want if s]
     assert not (tmp_path / "two" / "weights").exists()  # no weights checkpoint for a pool: nothing through files
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == [str(STEPS)]  # saved by the training side alone
 
