@@ -11,3 +11,14 @@ def own_rows():
     ROWS.rows.clear()
     yield
     ROWS.rows.clear()
+
+
+@pytest.fixture(autouse=True)
+def _no_gin_bindings():
+    """The sections build their RunConfigs in code, but its dataclasses are gin-configurable: bindings an earlier
+    test on this worker parsed (`train.n_gpus_per_node=1`, ...) would reach them (CI: the sync run's mesh saw one
+    device). Each bench test starts with none."""
+    import gin
+
+    gin.clear_config()
+    yield
