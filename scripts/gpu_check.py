@@ -6,7 +6,7 @@
 Runs each config of `jaxrl_llm/bench/check.py` (a list of benchmark sections) in a child process with a
 timeout, in order, while the time budget lasts, sharing one persistent compilation cache; compares each
 figure with benchmarks/baselines.json for this device kind (ok: ran, no out-of-memory or error, at most 10%
-worse); writes benchmarks/runs/<date>/gpu_check_<commit>.json ({"meta": {date, device, commit}, "results":
+worse); writes benchmarks/runs/<date>/gpu_check_<commit>_<device>.json ({"meta": {date, device, commit}, "results":
 [{config, figure, recorded, ratio, ok}, ...]}), and a copy with the configs' logs under $OUT when it is set.
 Exits 1 when a row is not ok. Run it before closing an issue that changes rollout, trainer, models,
 algorithms or kernels, and give its result in the closing note.
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.merge:
         merged = check.merge(args.merge)
-        path = check.report_path(merged["meta"]["date"], merged["meta"]["commit"])
+        path = check.report_path(merged["meta"]["date"], merged["meta"]["commit"], merged["meta"]["device"])
         check.write_report(merged["results"], merged["meta"]["device"], path)
         print(path)
         return 0 if all(r["ok"] for r in merged["results"]) else 1

@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -149,14 +150,22 @@ def check(names, *, out_dir: str, budget_s: float, compile_cache: str, baselines
     return device, results
 
 
-def report_path(date: str, sha: str) -> str:
-    return os.path.join(REPO, "benchmarks", "runs", date, f"gpu_check_{sha}.json")
+def device_slug(device: str) -> str:
+    """A short file-name tag for a device kind: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200'."""
+    m = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device or "")
+    return (m.group(1) if m else re.sub(r"[^0-9a-z]+", "_", (device or "unknown").lower()).strip("_")).lower()
+
+
+def report_path(date: str, sha: str, device: str) -> str:
+    """benchmarks/runs/<date>/gpu_check_<commit>_<device>.json: one report per device kind and commit, so that
+    the H100's and the H200's checks of one commit sit side by side."""
+    return os.path.join(REPO, "benchmarks", "runs", date, f"gpu_check_{sha}_{device_slug(device)}.json")
 
 
 def write_report(results: list[dict], device: str, path: str | None = None) -> str:
     date = datetime.date.today().isoformat()
     sha = commit()
-    path = path or report_path(date, sha)
+    path = path or report_path(date, sha, device)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"meta": {"date": date, "device": device, "commit": sha}, "results": results}, f, indent=1)

@@ -69,3 +69,10 @@ def test_a_config_runs_in_its_own_process_and_one_past_the_budget_is_not_started
     assert rows[0]["config"] == "fwd_ms" and rows[0]["ok"] and rows[0]["figure"] > 0
     assert not rows[1]["ok"] and rows[1]["error"].startswith("not run:") and "--configs slow" in rows[1]["error"]
     assert (tmp_path / "logprob.log").exists()
+
+
+def test_reports_of_two_device_kinds_at_one_commit_have_two_names():
+    h100 = check.report_path("2026-11-26", "abc1234", "NVIDIA H100 80GB HBM3")
+    h200 = check.report_path("2026-11-26", "abc1234", "NVIDIA H200")
+    assert h100.endswith("gpu_check_abc1234_h100.json") and h200.endswith("gpu_check_abc1234_h200.json")
+    assert check.report_path("d", "c", "cpu").endswith("gpu_check_c_cpu.json")
