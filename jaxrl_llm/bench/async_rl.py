@@ -24,6 +24,7 @@ and the wait share. Targets (issue 30, 4 GPUs): one_step_off >= 1.25x, fully_asy
 from __future__ import annotations
 
 import dataclasses
+import gc
 import tempfile
 import time
 
@@ -160,6 +161,9 @@ def run_mode(opts, preset: str, mode: str, n_dev: int, rollout: int) -> list[dic
                     rollout_idle=m.get("rollouter/idle_ratio")))
     finally:
         RolloutStream.submit = submit
+        del engine.generate  # the instance attribute (a closure over the engine) goes; the class method is back
         if isinstance(trainer, AsyncRLTrainer):
             trainer.close()
+        del trainer, engine
+        gc.collect()  # the next mode's engine sizes its KV pool from the memory free now
     return rows
