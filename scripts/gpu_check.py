@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         merged = check.merge(args.merge)
         path = check.report_path(merged["meta"]["date"], merged["meta"]["commit"], merged["meta"]["device"])
-        check.write_report(merged["results"], merged["meta"]["device"], path)
+        check.write_report(merged["results"], merged["meta"]["device"], path, date=merged["meta"]["date"],
+                           sha=merged["meta"]["commit"])
         print(path)
         return 0 if all(r["ok"] for r in merged["results"]) else 1
     names = args.configs.split(",")

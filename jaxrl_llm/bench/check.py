@@ -162,9 +162,11 @@ def report_path(date: str, sha: str, device: str) -> str:
     return os.path.join(REPO, "benchmarks", "runs", date, f"gpu_check_{sha}_{device_slug(device)}.json")
 
 
-def write_report(results: list[dict], device: str, path: str | None = None) -> str:
-    date = datetime.date.today().isoformat()
-    sha = commit()
+def write_report(results: list[dict], device: str, path: str | None = None, *, date: str | None = None,
+                 sha: str | None = None) -> str:
+    """Writes the report; `date` and `sha` default to today and this tree's commit (a merge keeps its reports')."""
+    date = date or datetime.date.today().isoformat()
+    sha = sha or commit()
     path = path or report_path(date, sha, device)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

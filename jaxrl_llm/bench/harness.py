@@ -225,8 +225,14 @@ def device_gb() -> float:
 
 # ---- meta and report ------------------------------------------------------------------------------
 def commit() -> str:
+    """This tree's commit, with '+dirty' when its tracked files differ from it (a copied tree on a lent machine
+    can sit on an older commit than the code it holds)."""
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
+    sha = out.stdout.strip()
+    if not sha:
+        return "unknown"
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=REPO, capture_output=True).returncode == 1
+    return sha + "+dirty" if dirty else sha
 
 
 def meta(uses_jax: bool = True) -> dict:

@@ -76,3 +76,15 @@ def test_reports_of_two_device_kinds_at_one_commit_have_two_names():
     h200 = check.report_path("2026-11-26", "abc1234", "NVIDIA H200")
     assert h100.endswith("gpu_check_abc1234_h100.json") and h200.endswith("gpu_check_abc1234_h200.json")
     assert check.report_path("d", "c", "cpu").endswith("gpu_check_c_cpu.json")
+
+
+def test_a_merged_report_keeps_the_commit_and_date_its_calls_ran_at(tmp_path):
+    meta = {"date": "2026-11-20", "device": "NVIDIA H200", "commit": "0ld5ha1"}
+    parts = []
+    for i, row in enumerate(({"config": "x", "ok": True}, {"config": "y", "ok": True})):
+        parts.append(tmp_path / f"{i}.json")
+        parts[-1].write_text(json.dumps({"meta": meta, "results": [row]}))
+    merged = check.merge([str(p) for p in parts])
+    out = check.write_report(merged["results"], merged["meta"]["device"], str(tmp_path / "m.json"),
+                             date=merged["meta"]["date"], sha=merged["meta"]["commit"])
+    assert json.loads(open(out).read())["meta"] == meta
