@@ -3,7 +3,8 @@
 # .bench_data carried; results land in $OUT. PHASES picks the phases (default: all, in this order):
 #   check  0.5B (shards_check): every mesh of the machine's GPUs (fsdp, fsdp x tensor 2) against one GPU, greedy and sampled
 #   gen    Qwen2.5-7B generation alone at the seed's per-GPU share (128 prompts x 5 a GPU, seed lengths), paged on
-#          1 GPU and on all GPUs, then dense on all GPUs; 5 timed repeats after a warm one
+#          1 GPU and on all GPUs, then dense on all GPUs; 5 timed repeats after a warm one (SHARD_WORK=tiled: every
+#          shard gets the 1-GPU run's prompt groups, so the K-GPU time compares like with like; DENSE=0 skips dense)
 #   e2e    the 7B seed-share GRPO step, fsdp over all GPUs then fsdp/2 x tensor 2, paged and dense
 source "$(dirname "$0")/common.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
@@ -18,7 +19,8 @@ for phase in ${PHASES:-check gen e2e}; do
       echo "rc=$?"; cut -c1-330 /tmp/out_check/rows.jsonl; cp /tmp/out_check/rows.jsonl "$OUT/check.jsonl" ;;
     gen)
       timeout "${T_GEN:-560}" python3 -m jaxrl_llm.bench --sections gen --presets qwen2p5_7b --engines paged \
-        --devices "1,$K" --repeats "${REPEATS:-5}" --compile_cache $CACHE --out /tmp/out_gen > "$OUT/gen.log" 2>&1
+        --devices "1,$K" --repeats "${REPEATS:-5}" ${SHARD_WORK:+--shard_work "$SHARD_WORK"} --compile_cache $CACHE \
+        --out /tmp/out_gen > "$OUT/gen.log" 2>&1
       echo "rc=$?"
       [ "${DENSE:-1}" = 1 ] && timeout "${T_DENSE:-400}" python3 -m jaxrl_llm.bench --sections gen \
         --presets qwen2p5_7b --engines dense --devices "$K" --repeats "${REPEATS:-5}" --out /tmp/out_gen \
