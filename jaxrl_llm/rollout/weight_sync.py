@@ -203,6 +203,10 @@ class WeightSync:
             self._base = self._timed(frozen)
         self.base_stats = self.stats
 
+    def drop_base(self) -> None:
+        """Lets go of the kept base (its memory on the engine's devices); the next LoRA sync moves it again."""
+        self._base = None
+
     def adapters(self, trained: dict, *, lora_scale: float) -> dict:
         """The kept base joined with `trained` (the adapters, lora_b pre-scaled here by `lora_scale` = alpha / r)
         on the engine's devices: what `engine.update_weights` takes. Only the adapters' bytes move."""

@@ -112,8 +112,7 @@ class AsyncRLTrainer(RLTrainer):
             if self.remote:
                 self.engine.stop()
             else:  # the rollout devices' KV pools and weights go now, not whenever the trainer is collected: a
-                self.engine.release()  # second trainer in this process (the benchmark's next mode) needs them
-                self.engine.release_weights()
+                self.worker.call("release_rollout")  # second trainer in this process (a benchmark's next mode)
 
     def sync_weights(self, version: int) -> None:
         """The actor's weights to the engine on the rollout devices (device to device)."""

@@ -116,7 +116,7 @@ class TrainerWorker(WorkerCheckpoints):
 
         self._build_steps()
         self.engine = None
-        self._weight_sync: WeightSync | None = None  # made at the first sync to the rollout's own devices
+        self._weight_sync: WeightSync | None = None  # the sync to the rollout's own devices (async modes)
         if run.rollout.engine == "jax" and not abstract and self._remote_rollout():
             # The rollout side is another process (trainer/placement.py): its engine, driven from here.
             self.engine = RemoteEngine(self.cfg, rollout_mesh(run, self.rollout_devices))
@@ -127,7 +127,12 @@ class TrainerWorker(WorkerCheckpoints):
                 mesh = rollout_mesh(run, self.rollout_devices)  # no update to give the KV pool to
                 rollout = dataclasses.replace(rollout, free_cache_engine=False)
                 self.memory.generation_held = {}
-            self.engine = make_jax_engine(self.cfg, self.actor.engine_params(), mesh, rollout=rollout,
+                # The engine's first weights come through the sync every later one takes: under LoRA the frozen
+                # base moves here, once, and each sync after moves the adapters alone (the merged model built on
+                # the training devices and moved whole, then the base again at the first sync, was two moves).
+                self._weight_sync = WeightSync(self.cfg, mesh, dtype=self.cfg.dtype)
+            first = self.actor.engine_params() if self._weight_sync is None else self.rollout_weights()
+            self.engine = make_jax_engine(self.cfg, first, mesh, rollout=rollout,
                                           max_prompt_length=engine_prompt_length(run),
                                           max_model_len=run.rollout.max_model_len or run.max_model_len)
             self.memory.check_engine(self.engine)  # the sampler's programs, where the engine reports them
@@ -435,14 +440,20 @@ class TrainerWorker(WorkerCheckpoints):
             self.engine.update_weights(self.rollout_weights(), step=step)
             jax.block_until_ready(self.engine.params)
 
+    def release_rollout(self) -> None:
+        """Frees what the rollout's own devices hold (the engine's KV pools and weights, LoRA's base kept by the
+        sync) now; a later sync moves the base again. For the end of an async run."""
+        self.engine.release()
+        self.engine.release_weights()
+        if self._weight_sync is not None:
+            self._weight_sync.drop_base()
+
     def rollout_weights(self) -> dict:
         """The actor's weights as the engine's `update_weights` takes them. On the rollout's own devices they go
         through a WeightSync (device to device, in layer buckets; with LoRA the adapters alone after the first
         sync, the frozen base staying there); colocated, the engine reads the trainer's arrays in place."""
         if self.rollout_devices is None:
             return self.actor.engine_params()
-        if self._weight_sync is None:
-            self._weight_sync = WeightSync.for_engine(self.engine)
         return self._weight_sync.from_model_state(self.actor)
 
     def weight_sync_metrics(self) -> dict[str, float]:

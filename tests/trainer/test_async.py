@@ -85,6 +85,31 @@ def test_lora_syncs_only_the_adapters_to_the_rollout_devices(tmp_path):
     assert lora_mb[0] < full_mb[0] / 4, (lora_mb, full_mb)
 
 
+def test_lora_moves_its_frozen_base_to_the_rollout_devices_once(tmp_path):
+    """The engine's first weights come through the trainer's WeightSync: the base moves once, into the sync's
+    keeping, and no merged model is built and moved beside it (the engine never moves weights itself); each sync
+    after moves the adapters alone. A closed trainer leaves the rollout devices empty."""
+    import jax
+
+    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+
+    trainer = AsyncRLTrainer(runs.run_config(*ONE_STEP_OFF, "model.lora_rank=8", "model.target_modules='all-linear'",
+                                             "train.save_freq=-1", steps=1, run_dir=str(tmp_path)))
+    worker, engine = trainer.worker.obj, trainer.engine
+    sync = worker._weight_sync
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(worker.actor.frozen))
+    assert engine._sync is None and sync.base_stats.bytes == base_bytes
+    base = sync._base
+    trainer.sync_weights(1)
+    assert sync._base is base and 0 < sync.stats.bytes < base_bytes / 4
+    rollout_devices = set(engine.mesh.devices.flat)
+    del base
+    trainer.close()
+    assert engine.params is None and sync._base is None
+    left = [a.shape for a in jax.live_arrays() if set(a.sharding.device_set) & rollout_devices]
+    assert not left, left
+
+
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
 def test_fully_async_partial_rollouts_swap_weights_mid_row(tmp_path, kv):
     """A rollout slower than the trainer (one row at a time, boundaries every 2 steps, up to 16 tokens): at each
