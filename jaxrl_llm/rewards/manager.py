@@ -105,7 +105,10 @@ class RewardManager:
 
         if not ray.is_initialized():
             log.info("RewardManager: starting a local Ray instance for %d reward workers", self.num_workers)
-            ray.init(num_cpus=max(1, int(self.num_workers * num_cpus + 0.999)), include_dashboard=False)
+            from jaxrl_llm.trainer.roles import local_ray_config
+
+            ray.init(num_cpus=max(1, int(self.num_workers * num_cpus + 0.999)), include_dashboard=False,
+                     _system_config=local_ray_config())
             self._owns_ray = True
         total_cpus = ray.cluster_resources().get("CPU", 0)
         if self.num_workers * num_cpus > total_cpus:

@@ -4,6 +4,7 @@ in a Ray actor (`train.driver = "ray" | "inprocess"`)."""
 from __future__ import annotations
 
 import logging
+import os
 
 from jaxrl_llm.trainer.config import RunConfig
 
@@ -52,7 +53,14 @@ def init_ray(run: RunConfig) -> None:
     if run.trainer.ray_address:
         ray.init(address=run.trainer.ray_address)
     else:
-        ray.init(include_dashboard=False, log_to_driver=True)
+        ray.init(include_dashboard=False, log_to_driver=True, _system_config=local_ray_config())
+
+
+def local_ray_config() -> dict:
+    """An embedded cluster's settings. Ray starts its workers at niceness 15; ours are the run itself (trainer
+    processes, vLLM engines, reward workers), and starved beside any other busy process one of them missed
+    gloo's fixed 30 s rendezvous. They run at the driver's priority unless RAY_worker_niceness says otherwise."""
+    return {} if "RAY_worker_niceness" in os.environ else {"worker_niceness": 0}
 
 
 def make_worker(run: RunConfig, *, total_steps: int, inprocess: bool = False):
