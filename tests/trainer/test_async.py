@@ -65,20 +65,28 @@ def test_fully_async_without_staleness_trains_exactly_as_the_synchronous_trainer
     assert all(fully[s]["fully_async/staleness/max"] == 0 for s in (1, 2, 3))
 
 
-def test_one_step_off_killed_and_resumed_trains_exactly_as_uninterrupted(tmp_path):
+@pytest.fixture(scope="module")
+def one_step_off(tmp_path_factory):
+    """An uninterrupted one-step-off run of 4 steps, a checkpoint a step: metrics by step (the resume test's
+    reference, and the full fine-tuning side of the weight sync test)."""
+    return _run(tmp_path_factory.mktemp("one_step_off"), "reference", *ONE_STEP_OFF, "train.save_freq=1", steps=4)
+
+
+def test_one_step_off_killed_and_resumed_trains_exactly_as_uninterrupted(tmp_path, one_step_off):
     """A checkpoint is written at the next step's sync point with the batch generated for it (by the weights one
     step behind), so a run SIGKILLed after step 2 resumes on exactly the batches and weights it would have had."""
     params = (*ONE_STEP_OFF, "train.save_freq=1")
-    reference = _run(tmp_path, "reference", *params, steps=4)
+    reference = one_step_off
     assert all(reference[s]["fully_async/staleness/mean"] == (s > 1) for s in range(1, 5))
     resumed = runs.kill_then_resume(tmp_path / "killed", *params, steps=4, kill_after=[2], checkpoint=1)
     _same(resumed, reference, [2, 3, 4], rtol=0)
 
 
-def test_lora_syncs_only_the_adapters_to_the_rollout_devices(tmp_path):
+def test_lora_syncs_only_the_adapters_to_the_rollout_devices(tmp_path, one_step_off):
     """Split devices go through the WeightSync: full fine-tuning copies the bf16 model each sync; LoRA moves its
-    frozen base once and then its fp32 adapters alone (rank 8 here: under a quarter of the tiny model)."""
-    full = _run(tmp_path, "full", *ONE_STEP_OFF, steps=2)
+    frozen base once and then its fp32 adapters alone (rank 8 here: under a quarter of the tiny model). The full
+    fine-tuning run is the resume test's reference (its checkpoints change nothing a sync moves)."""
+    full = one_step_off
     lora = _run(tmp_path, "lora", *ONE_STEP_OFF, "model.lora_rank=8", "model.target_modules='all-linear'", steps=2)
     full_mb, lora_mb = ([r[s]["rollouter/weight_sync_mb"] for s in (1, 2)] for r in (full, lora))
     assert full_mb[0] == full_mb[1] > 0 and lora_mb[0] == lora_mb[1] > 0

@@ -3,6 +3,7 @@ metrics equal an uninterrupted run's, bit for bit on CPU. A corrupted latest che
 
 import json
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -14,13 +15,21 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory):
+    """The uninterrupted run: its directory, which keeps every step's checkpoint (the corrupted, disabled and
+    explicit checkpoint tests start from copies of it, or a path into it, rather than from runs of their own),
+    and its metrics by step."""
     d = tmp_path_factory.mktemp("reference")
-    out = runs.run(d, "train.save_freq=1", steps=STEPS)
+    out = runs.run(d, "train.save_freq=1", f"train.max_checkpoints_to_keep={STEPS}", steps=STEPS)
     assert out.returncode == 0, out.stderr[-3000:]
     ref = runs.by_step(runs.metrics(d))
     assert sorted(ref) == list(range(1, STEPS + 1))
-    return ref
+    return d, ref
+
+
+@pytest.fixture
+def reference(reference_run):
+    return reference_run[1]
 
 
 def test_sigkill_at_five_points_then_resume_is_exact(tmp_path, reference):
@@ -31,10 +40,14 @@ def test_sigkill_at_five_points_then_resume_is_exact(tmp_path, reference):
         assert resumed[step] == reference[step], f"step {step} differs after kills at {kill_after}"
 
 
-def test_corrupted_latest_checkpoint_resumes_from_the_previous(tmp_path, reference):
+def test_corrupted_latest_checkpoint_resumes_from_the_previous(tmp_path, reference_run):
+    """The reference run as it stood after step 4 with 3 checkpoints kept (its metrics.jsonl still holds steps
+    5-8: the resume cuts them), then its latest checkpoint corrupted."""
+    ref_dir, reference = reference_run
     d = tmp_path / "run"
-    out = runs.run(d, "train.save_freq=1", "train.max_checkpoints_to_keep=3", steps=4)
-    assert out.returncode == 0, out.stderr[-3000:]
+    shutil.copytree(ref_dir, d)
+    for step in (1, *range(5, STEPS + 1)):
+        shutil.rmtree(d / "checkpoints" / str(step))
     latest = d / "checkpoints" / "4" / "actor"
     victims = sorted((p for p in latest.rglob("*") if p.is_file() and p.stat().st_size > 64),
                      key=lambda p: -p.stat().st_size)
@@ -50,21 +63,25 @@ def test_corrupted_latest_checkpoint_resumes_from_the_previous(tmp_path, referen
     assert any(p.name.startswith("set-aside-step4") for p in (d / "checkpoints").iterdir())
 
 
-def test_resume_disable_starts_fresh(tmp_path):
+def test_resume_disable_starts_fresh(tmp_path, reference_run):
+    """A copy of the finished reference run, run again with resume_mode='disable'."""
+    ref_dir, reference = reference_run
     d = tmp_path / "run"
-    assert runs.run(d, "train.save_freq=1", steps=2).returncode == 0
+    shutil.copytree(ref_dir, d)
     out = runs.run(d, "train.save_freq=1", "train.resume_mode='disable'", steps=2)
     assert out.returncode == 0 and "resumed from" not in out.stderr
     assert "train.resume_mode='disable': starting from step 0" in out.stderr
-    # The new run's steps only; the earlier run's rows are set aside beside it (as its checkpoints are).
-    assert [r["step"] for r in runs.metrics(d)] == [1, 2]
+    # The new run's steps only, those of a fresh start; the earlier run's rows are set aside beside it (as its
+    # checkpoints are).
+    got = runs.by_step(runs.metrics(d))
+    assert sorted(got) == [1, 2] and got[1] == reference[1] and got[2] == reference[2]
     (aside,) = d.glob("metrics.set-aside-*.jsonl")
-    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == [1, 2]
+    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == list(range(1, STEPS + 1))
 
 
-def test_explicit_checkpoint_path(tmp_path, reference):
-    d = tmp_path / "run"
-    assert runs.run(d, "train.save_freq=1", "train.max_checkpoints_to_keep=5", steps=3).returncode == 0
+def test_explicit_checkpoint_path(tmp_path, reference_run):
+    """A new run directory starts from step 2 of the reference run's (not its latest checkpoint)."""
+    d, reference = reference_run
     other = tmp_path / "other"
     out = runs.run(other, f"train.resume_mode='{d}/checkpoints/2'", steps=4)
     assert out.returncode == 0, out.stderr[-3000:]

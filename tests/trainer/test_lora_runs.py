@@ -64,12 +64,22 @@ def test_a_lora_step_moves_only_the_adapters_and_the_engine_decodes_with_them(tm
     check_the_engine_decodes_with_the_adapters(w, trainer, run, prompts, atol=0.0 if base == "none" else 1e-6)
 
 
-def test_kill_resume_export_and_start_from_the_adapter(tmp_path):
-    steps = 4
-    ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    out = runs.run(ref_dir, *LORA, "train.save_freq=1", steps=steps)
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """An uninterrupted LoRA run of the demo: its directory and its metrics by step (the resume test's reference;
+    the offline PEFT test exports it)."""
+    d = tmp_path_factory.mktemp("lora_run")
+    out = runs.run(d, *LORA, "train.save_freq=1", steps=STEPS)
     assert out.returncode == 0, out.stderr[-3000:]
-    reference = runs.by_step(runs.metrics(ref_dir))
+    return d, runs.by_step(runs.metrics(d))
+
+
+def test_kill_resume_export_and_start_from_the_adapter(tmp_path, lora_run):
+    steps = STEPS
+    run_dir, reference = tmp_path / "run", lora_run[1]
     resumed = runs.kill_then_resume(run_dir, *LORA, "train.save_freq=1", steps=steps, kill_after=[2])
     assert resumed == reference
 
@@ -127,13 +137,11 @@ def test_a_lora_critic_exports_as_a_peft_adapter_with_its_head_or_merged(tmp_pat
     np.testing.assert_allclose(np.asarray(exported), np.asarray(ours), atol=1e-5, rtol=0)
 
 
-def test_the_peft_export_of_a_preset_run_loads_offline_with_auto_peft(tmp_path):
+def test_the_peft_export_of_a_preset_run_loads_offline_with_auto_peft(tmp_path, lora_run):
     """A run on a random preset has no base on disk or on the hub: the export writes it beside the adapter
     (`base/`, named by its absolute path), so AutoPeftModelForCausalLM loads the pair offline, from any working
     directory, and computes the run's logits."""
-    run_dir, peft_dir = tmp_path / "run", tmp_path / "peft"
-    out = runs.run(run_dir, *LORA, steps=2)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir, peft_dir = lora_run[0], tmp_path / "peft"
     assert export_main(["--checkpoint", str(run_dir), "--out", str(peft_dir)]) == 0
     conf = json.loads((peft_dir / "adapter_config.json").read_text())
     assert conf["base_model_name_or_path"] == str(peft_dir / "base")
