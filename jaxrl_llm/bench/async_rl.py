@@ -9,7 +9,8 @@ long-tailed, DAPO-style workload, one mode after the other on the same devices a
 Each mode trains `--steps` GRPO steps of `--prompts_per_gpu` x the machine's devices prompts x 5 responses (the
 same share whatever the split, so samples a second compare), token-mean loss and DAPO's clip-higher (0.28).
 Response lengths are drawn once from a heavy tail (most a few hundred tokens, a few past --long_cap / 2, some at
-the cap) and handed out in the same order to every mode, with EOS off so every row runs to its length.
+the cap), or with `--async_lengths seed` from the seed run's GSM8K shape (mean 232, at most 1,024), and handed out
+in the same order to every mode, with EOS off so every row runs to its length.
 
   sync          RLTrainer on every device (the engine colocated with the trainer)
   one_step_off  AsyncRLTrainer: --rollout_gpus devices generate batch k + 1 while the others train on batch k
@@ -32,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm.bench.harness import TRAINER_MEM_FRACTION, CompileSeconds, emit, option, section
-from jaxrl_llm.bench.workload import long_lengths, make_run
+from jaxrl_llm.bench.workload import SEED_RESPONSE_MAX, long_lengths, make_run, seed_response_lengths
 
 option("--async_modes", default="sync,one_step_off,fully_async",
        help="async_longtail: the modes, one after the other (sync, one_step_off, fully_async)")
@@ -40,6 +41,9 @@ option("--rollout_gpus", type=int, help="async_longtail: devices of the rollout 
 option("--train_gpus", type=int, help="async_longtail: devices of the training mesh in the async modes (default the "
        "rest); sync runs on train + rollout devices")
 option("--long_cap", type=int, default=8192, help="async_longtail: the longest response (the heavy tail's cap)")
+option("--async_lengths", default="long", choices=("long", "seed"),
+       help="async_longtail: response lengths from the heavy tail (long, up to --long_cap) or the seed run's GSM8K "
+            "shape (seed: lognormal, mean 232, at most 1,024)")
 option("--staleness", type=float, default=0.5, help="async_longtail: fully_async's async_training.staleness_threshold")
 MODES = ("sync", "one_step_off", "fully_async")
 
@@ -59,7 +63,7 @@ def async_longtail(opts):
             rows = run_mode(opts, preset, mode, n_dev, rollout)
             steady = [r for r in rows if r["step"] >= 2] or rows
             summary[mode] = float(np.median([r["samples_per_s"] for r in steady]))
-            emit(section="async_longtail_summary", preset=preset, mode=mode,
+            emit(section="async_longtail_summary", preset=preset, mode=mode, lengths=opts.async_lengths,
                  rollout_gpus=rollout if mode != "sync" else 0, devices=n_dev, steady_steps=len(steady),
                  samples_per_s=summary[mode],
                  vs_sync=summary[mode] / summary["sync"] if "sync" in summary else None,
@@ -82,7 +86,7 @@ def _run_config(opts, preset: str, mode: str, n_dev: int, rollout: int):
 
     n = 2 if opts.small else 5
     prompts = (4 if opts.small else opts.prompts_per_gpu) * n_dev
-    cap = 64 if opts.small else opts.long_cap
+    cap = 64 if opts.small else opts.long_cap if opts.async_lengths == "long" else SEED_RESPONSE_MAX
     run = make_run(preset, prompts=prompts, n=n, mini=prompts // 2, budget=2048 if opts.small else opts.token_budget,
                    remat=opts.remat.split(",")[0], small=opts.small, max_response=cap,
                    max_prompt=64 if opts.small else 512, run_dir=tempfile.mkdtemp(),
@@ -101,8 +105,11 @@ def _run_config(opts, preset: str, mode: str, n_dev: int, rollout: int):
 
 def _capped_lengths(opts, count: int, cap: int):
     """The same response lengths, in the same order, for every mode: a pool drawn once, handed out in turn."""
-    pool = long_lengths(count, seed=0, cap=opts.long_cap)
-    if opts.small:  # the same tail, scaled down to the tiny run's cap
+    if opts.async_lengths == "seed":
+        pool = seed_response_lengths(count, seed=0)
+    else:
+        pool = long_lengths(count, seed=0, cap=opts.long_cap)
+    if opts.small:  # the same shape, scaled down to the tiny run's cap
         pool = np.clip(pool // 32, 2, cap)
     state = {"at": 0}
 
@@ -151,7 +158,8 @@ def run_mode(opts, preset: str, mode: str, n_dev: int, rollout: int) -> list[dic
                 wall = time.perf_counter() - t0
                 wait = m.get("timing_s/wait_prev_gen", m.get("timing_s/gen", 0.0))
                 rows.append(emit(
-                    section="async_longtail", preset=preset, mode=mode, step=step, devices=n_dev,
+                    section="async_longtail", preset=preset, mode=mode, lengths=opts.async_lengths, step=step,
+                    devices=n_dev,
                     rollout_gpus=rollout if mode != "sync" else 0, samples=samples, wall_s=wall,
                     samples_per_s=samples / wall, tokens_per_s=m.get("perf/total_num_tokens", 0.0) / wall,
                     wait_s=wait, wait_share=wait / wall, compile_s=compiles.seconds,

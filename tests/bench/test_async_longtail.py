@@ -7,6 +7,7 @@ import json
 import types
 
 import jax
+import numpy as np
 import pytest
 
 from jaxrl_llm.bench import __main__ as cli
@@ -43,8 +44,24 @@ def test_a_finished_async_mode_leaves_the_devices_as_it_found_them(own_rows):
     when it starts: a closed async trainer frees its rollout engine's pool and weights, and nothing of the mode
     stays on a device (on 2×H200 the fully_async mode found 116 GiB of one_step_off's pool still held)."""
     opts = types.SimpleNamespace(small=True, steps=1, remat="full", token_budget=2048, prompts_per_gpu=4,
-                                 long_cap=64, staleness=0.5)
+                                 long_cap=64, staleness=0.5, async_lengths="long")
     before = _live_bytes()
     rows = run_mode(opts, "tiny", "one_step_off", 2, 1)
     assert len(rows) == 1 and rows[0]["samples"] > 0
     assert _live_bytes() <= before + 1024, (before, _live_bytes())
+
+
+def test_the_seed_shape_hands_every_mode_the_seed_runs_lengths():
+    """`--async_lengths seed`: the seed run's GSM8K lengths (lognormal, mean 232, at most 1,024) instead of the tail,
+    the same sequence for every mode."""
+    from jaxrl_llm.bench.async_rl import _capped_lengths
+    from jaxrl_llm.bench.workload import seed_response_lengths
+
+    opts = types.SimpleNamespace(small=False, async_lengths="seed", long_cap=8192)
+    first, again = _capped_lengths(opts, 640, 1024), _capped_lengths(opts, 640, 1024)
+    drawn = first(640)
+    np.testing.assert_array_equal(drawn, seed_response_lengths(640, seed=0))
+    np.testing.assert_array_equal(again(640), drawn)
+    assert drawn.max() <= 1024 and 180 < drawn.mean() < 290
+    tail = _capped_lengths(types.SimpleNamespace(small=False, async_lengths="long", long_cap=8192), 640, 8192)(640)
+    assert tail.max() == 8192
