@@ -7,11 +7,13 @@
 #   long   async_longtail: sync, one_step_off and fully_async with partial rollouts on the same heavy tail of
 #          response lengths (up to 8,192), ROLLOUT_GPUS of the K GPUs generating (default K / 2)
 #          (targets on 4 GPUs: one_step_off >= 1.25x sync's samples/s, fully_async >= 1.6x, wait <= 15% of a step)
+#   seed   the same three modes on the seed run's GSM8K shape (--async_lengths seed: lognormal lengths, mean 232, at
+#          most 1,024; SEED_PROMPTS prompts x 5 a GPU, default 128, the seed's per-GPU share)
 source "$(dirname "$0")/common.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 K=$(nvidia-smi -L | wc -l)
 CACHE=/tmp/jaxcache
-for phase in ${PHASES:-sync long}; do
+for phase in ${PHASES:-sync long seed}; do
   echo "=== $phase"
   case $phase in
     sync)
@@ -21,5 +23,9 @@ for phase in ${PHASES:-sync long}; do
       run async_longtail "${T_LONG:-560}" python3 -m jaxrl_llm.bench --sections async_longtail \
         --train_presets "${PRESET:-qwen2p5_1p5b}" --rollout_gpus "${ROLLOUT_GPUS:-$((K / 2))}" \
         --steps "${STEPS:-5}" --prompts_per_gpu "${PROMPTS:-16}" --long_cap "${CAP:-8192}" --compile_cache $CACHE ;;
+    seed)
+      run async_seed "${T_SEED:-560}" python3 -m jaxrl_llm.bench --sections async_longtail --async_lengths seed \
+        --train_presets "${PRESET:-qwen2p5_1p5b}" --rollout_gpus "${ROLLOUT_GPUS:-$((K / 2))}" \
+        --steps "${STEPS:-5}" --prompts_per_gpu "${SEED_PROMPTS:-128}" --compile_cache $CACHE ;;
   esac
 done
