@@ -162,7 +162,7 @@ def run_mode(opts, preset: str, mode: str, n_dev: int, rollout: int) -> list[dic
                     devices=n_dev,
                     rollout_gpus=rollout if mode != "sync" else 0, samples=samples, wall_s=wall,
                     samples_per_s=samples / wall, tokens_per_s=m.get("perf/total_num_tokens", 0.0) / wall,
-                    wait_s=wait, wait_share=wait / wall, compile_s=compiles.seconds,
+                    wait_s=wait, wait_share=wait / wall, compile_s=compiles.seconds, compiled=compiles.slowest(),
                     response_mean=m.get("response_length/mean"), response_max=m.get("response_length/max"),
                     staleness_max=m.get("fully_async/staleness/max"),
                     partial_ratio=m.get("fully_async/partial/partial_ratio"), sync_s=m.get("timing_s/sync"),

@@ -165,23 +165,31 @@ def timed(fn, *args, iters=10, warmup=2):
 
 class CompileSeconds:
     """XLA compile seconds since the last `reset`, counted by a jax.monitoring listener from construction to
-    `close` (or the end of a `with` block), with every jax duration event's count and seconds in `events`."""
+    `close` (or the end of a `with` block), with every jax duration event's count and seconds in `events` and
+    the compile seconds of each program by name in `programs` (what a step that should compile nothing did)."""
 
     def __init__(self):
         import jax
 
-        self.seconds, self.events = 0.0, {}
+        self.seconds, self.events, self.programs = 0.0, {}, {}
         jax.monitoring.register_event_duration_secs_listener(self._on)
 
-    def _on(self, event, duration, **_):
+    def _on(self, event, duration, fun_name=None, **_):
         if event.endswith("backend_compile_duration"):
             self.seconds += duration
+            name = fun_name or "?"
+            self.programs[name] = self.programs.get(name, 0.0) + duration
         e = self.events.setdefault(event.rsplit("/", 1)[-1], [0, 0.0])
         e[0] += 1
         e[1] += duration
 
     def reset(self) -> None:
-        self.seconds, self.events = 0.0, {}
+        self.seconds, self.events, self.programs = 0.0, {}, {}
+
+    def slowest(self, k: int = 5) -> list[str]:
+        """The `k` programs that took the most compile seconds since the last reset, as 'name 1.23s'."""
+        top = sorted(self.programs.items(), key=lambda kv: -kv[1])[:k]
+        return [f"{name} {sec:.2f}s" for name, sec in top]
 
     def close(self) -> None:
         import jax

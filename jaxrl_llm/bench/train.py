@@ -186,8 +186,8 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
                      lora_rank=lora_rank, base_quantization=base_quantization,
                      decode_attention=decode_attention, step=step,
                      kv_cache=kv_cache, device_peak_gb=device_gb(), **pool, devices=n_dev,
-                     processes=jax.process_count(), wall_s=wall, compile_s=compiles.seconds, prompts=n_prompts, n=n,
-                     budget=budget, **keep)
+                     processes=jax.process_count(), wall_s=wall, compile_s=compiles.seconds,
+                     compiled=compiles.slowest(), prompts=n_prompts, n=n, budget=budget, **keep)
 
 
 @section("profile_update", help="a kernel profile of one GRPO actor update at the seed's shape (and of the log-prob "

@@ -23,6 +23,9 @@ def test_every_mode_runs_the_same_long_tail_and_is_compared_with_sync(tmp_path, 
     for mode in ("sync", "fully_async"):  # the tail reaches the cap (64), most rows are far shorter
         assert steps[mode, 0]["response_max"] == 64 and steps[mode, 0]["response_mean"] < 32, steps[mode, 0]
     assert steps["sync", 0]["devices"] == 2 and steps["fully_async", 0]["rollout_gpus"] == 1
+    # step 0 compiles the step's programs, and each row names the slowest ('jit_step 1.23s')
+    assert steps["sync", 0]["compile_s"] > 0 and all(" " in p for p in steps["sync", 0]["compiled"])
+    assert len(steps["sync", 0]["compiled"]) == 5
     summary = {r["mode"]: r for r in rows if r["section"] == "async_longtail_summary"}
     assert summary["sync"]["vs_sync"] == 1.0 and summary["fully_async"]["vs_sync"] > 0
 
