@@ -38,10 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.merge:
         merged = check.merge(args.merge)
-        path = check.report_path(merged["meta"]["date"], merged["meta"]["commit"], merged["meta"]["device"])
-        check.write_report(merged["results"], merged["meta"]["device"], path, date=merged["meta"]["date"],
-                           sha=merged["meta"]["commit"])
-        print(path)
+        meta = merged["meta"]
+        print(check.write_report(merged["results"], meta["device"], date=meta["date"], sha=meta["commit"]))
         return 0 if all(r["ok"] for r in merged["results"]) else 1
     names = args.configs.split(",")
     unknown = sorted(set(names) - {c.name for c in check.CONFIGS})
