@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                                   compile_cache=args.compile_cache, baselines=baselines)
     path = check.write_report(results, device)
     if args.record:
-        print("recorded:", check.record(results, device, baselines, path))
+        print("recorded:", check.record(results, device, baselines, path,
+                                        meta=check.load_report(path)["meta"]))
     if os.environ.get("OUT"):
         shutil.copy(path, os.environ["OUT"])
         shutil.copytree(args.work_dir, os.path.join(os.environ["OUT"], "gpu_check_runs"), dirs_exist_ok=True,

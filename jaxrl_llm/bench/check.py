@@ -174,12 +174,14 @@ def write_report(results: list[dict], device: str, path: str | None = None, *, d
     return path
 
 
+def load_report(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def merge(paths: list[str]) -> dict:
     """Reports of one device and commit in several calls as one: a later row of a figure replaces an earlier."""
-    reports = []
-    for p in paths:
-        with open(p) as f:
-            reports.append(json.load(f))
+    reports = [load_report(p) for p in paths]
     metas = {(r["meta"]["device"], r["meta"]["commit"]) for r in reports}
     if len(metas) != 1:
         raise ValueError(f"gpu_check --merge: the reports are of different devices or commits: {sorted(metas)}")
@@ -190,16 +192,40 @@ def merge(paths: list[str]) -> dict:
     return {"meta": reports[-1]["meta"], "results": list(by_figure.values())}
 
 
-def record(results: list[dict], device: str, baselines: dict, report: str, path: str = BASELINES) -> list[str]:
-    """Writes the figures measured here that have nothing recorded for `device`; returns their names."""
+def record(results: list[dict], device: str, baselines: dict, report: str, path: str = BASELINES,
+           meta: dict | None = None) -> list[str]:
+    """Writes the figures measured here that have nothing recorded for `device`; returns their names. `meta` (the
+    report's) stamps each with its commit and date."""
     added = []
     for row in results:
         spec = baselines["figures"].get(row["config"])
         if spec is None or not row["ok"] or row["figure"] is None or device in spec["recorded"]:
             continue
-        spec["recorded"][device] = {"value": round(row["figure"], 4), "source": os.path.relpath(report, REPO)}
+        stamp = {k: meta[k] for k in ("commit", "date") if meta and meta.get(k)}
+        spec["recorded"][device] = {"value": round(row["figure"], 4), **stamp,
+                                    "source": f"{os.path.relpath(report, REPO)} ({row['config']})"}
         added.append(row["config"])
     with open(path, "w") as f:
-        json.dump(baselines, f, indent=1)
-        f.write("\n")
+        f.write(dump_baselines(baselines))
     return added
+
+
+def dump_baselines(baselines: dict) -> str:
+    """baselines.json as the file keeps it: one line per recorded figure, so a diff shows what was recorded."""
+    def one(v) -> str:
+        return json.dumps(v, ensure_ascii=False)
+
+    lines = ["{"] + [f" {one(k)}: {one(v)}," for k, v in baselines.items() if k != "figures"] + [' "figures": {']
+    figures = list(baselines["figures"].items())
+    for i, (name, spec) in enumerate(figures):
+        lines.append(f"  {one(name)}: {{")
+        plain = [(k, v) for k, v in spec.items() if k not in ("recorded", "unit", "better")]
+        lines += [f"   {one(k)}: {one(v)}," for k, v in plain]
+        if "unit" in spec or "better" in spec:
+            lines.append("   " + ", ".join(f"{one(k)}: {one(spec[k])}" for k in ("unit", "better") if k in spec) + ",")
+        recorded = list(spec.get("recorded", {}).items())
+        lines.append('   "recorded": {')
+        lines += [f"    {one(d)}: {one(v)}" + ("," if j < len(recorded) - 1 else "")
+                  for j, (d, v) in enumerate(recorded)]
+        lines += ["   }", "  }" + ("," if i < len(figures) - 1 else "")]
+    return "\n".join(lines + [" }", "}", ""])

@@ -50,9 +50,12 @@ def test_reports_merge_and_new_figures_are_recorded(tmp_path):
     path = tmp_path / "baselines.json"
     base = json.loads(json.dumps(BASE))
     added = check.record([{"config": "step_s", "ok": True, "figure": 9.5}], "New GPU", base, str(tmp_path / "r.json"),
-                         path=str(path))
+                         path=str(path), meta=meta)
     written = json.loads(path.read_text())["figures"]["step_s"]["recorded"]
     assert added == ["step_s"] and written["New GPU"]["value"] == 9.5
+    assert (written["New GPU"]["commit"], written["New GPU"]["date"]) == ("abc", "2026-11-27")
+    # the file keeps one line per recorded figure, so a diff shows what a --record added
+    assert sum('"New GPU": {"value": 9.5' in line for line in path.read_text().splitlines()) == 1
     assert check.record([{"config": "step_s", "ok": True, "figure": 1.0}], "GPU", base, "r", path=str(path)) == []
 
 
