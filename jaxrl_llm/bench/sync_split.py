@@ -117,7 +117,8 @@ def bench_split(opts, cfg, name, sides, devices) -> None:
     out = None
     s, st = _timed_sync(sync, lambda: sync(params), opts.repeats)
     emit(**row, what="sync/bf16", median_of=opts.repeats, seconds=s, gb=st.bytes / 1e9, gb_s=st.bytes / 1e9 / s,
-         copies=st.copies, buckets=st.buckets, bucket_mb=st.bucket_bytes / 2**20, route=sync.describe(params))
+         copies=st.copies, rounds=st.rounds, buckets=st.buckets, bucket_mb=st.bucket_bytes / 2**20,
+         route=sync.describe(params))
     out = sync(params)
     engine = EngineWeights(cfg.replace(dtype="bfloat16"), mesh=rollout, dtype="bfloat16")
     s = timeit(lambda: engine.update_weights(out) and engine.params, warmup=1, iters=opts.repeats)
@@ -146,7 +147,8 @@ def bench_split(opts, cfg, name, sides, devices) -> None:
     masters = init_params(cfg, mesh=train, seed=0)  # fp32
     s, st = _timed_sync(sync, lambda: sync(masters), opts.repeats)
     emit(**row, what="sync/fp32", median_of=opts.repeats, seconds=s, gb=st.bytes / 1e9, gb_s=st.bytes / 1e9 / s,
-         copies=st.copies, buckets=st.buckets, bucket_mb=st.bucket_bytes / 2**20, route=sync.describe(masters))
+         copies=st.copies, rounds=st.rounds, buckets=st.buckets, bucket_mb=st.bucket_bytes / 2**20,
+         route=sync.describe(masters))
 
 
 @section("sync_split", help="weight sync training mesh -> rollout mesh on disjoint devices (device to device, "

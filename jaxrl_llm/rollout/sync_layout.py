@@ -128,50 +128,91 @@ def _index_key(index: tuple, shape: tuple) -> tuple:
 
 
 class CopyPlan:
-    """Device-to-device copies of many arrays' shards, done as one batched `jax.device_put`.
+    """Device-to-device copies of many arrays' shards, done as a few batched `jax.device_put`s (rounds).
 
     `add(x, target)` plans the copies that give `target` (a sharding on the rollout devices) the values of `x`;
-    `run()` dispatches them all and returns the new arrays in order. A rollout shard is copied from a source
-    device that holds its exact index, the least loaded one so far. A missing index is a SyncError: the
-    route promises there is none, and the alternative would be JAX's silent host round trip.
+    `run()` dispatches them and returns the new arrays in order. A rollout shard is copied from a device that
+    holds its exact index: a training device, the least loaded one so far, or, where the rollout side wants
+    more copies of an index than the training side holds (1+3: three replicas of one device), a rollout device
+    that received it in an earlier round. Each holder sends an index once a round, so the holders double every
+    round, and the copies out of a training device fall from one per replica to about log2 of them (1+3: two
+    rounds, the training device sending twice, not three times). A missing index is a SyncError: the route
+    promises there is none, and the alternative would be JAX's silent host round trip.
     """
 
     def __init__(self, load: dict | None = None):
-        self.load = {} if load is None else load  # bytes copied out of each source device so far
-        self._items: list[tuple[tuple, NamedSharding, int]] = []
-        self._srcs: list[jax.Array] = []
-        self._dsts: list[jax.Device] = []
+        self.load = {} if load is None else load  # bytes copied out of each device so far
+        self._items: list[tuple[tuple, NamedSharding, list[int]]] = []  # shape, target, its copies' slots
+        self._copies: list[tuple[int, object, jax.Device]] = []  # (round, source buffer or earlier slot, device)
         self.bytes = 0
         self.count = 0
+        self.rounds = 0
 
     def add(self, x: jax.Array, target: NamedSharding, where: str) -> None:
         held: dict[tuple, list] = {}
         for s in x.addressable_shards:
             held.setdefault(_index_key(s.index, x.shape), []).append(s.data)
-        count = 0
+        wanted: dict[tuple, list[jax.Device]] = {}
         for dev, index in target.addressable_devices_indices_map(x.shape).items():
-            candidates = held.get(_index_key(index, x.shape))
-            if not candidates:
+            key = _index_key(index, x.shape)
+            if not held.get(key):
                 raise SyncError(f"{where}: no training device holds the shard {index} that rollout device {dev} needs "
                                 f"(source {x.sharding}, target {target}); this is a bug in the route")
-            src = min(candidates, key=lambda b: (_device(b) != dev, self.load.get(_device(b), 0)))
-            self.load[_device(src)] = self.load.get(_device(src), 0) + src.nbytes
-            self.bytes += src.nbytes
-            self.count += 1
-            self._srcs.append(src)
-            self._dsts.append(dev)
-            count += 1
-        self._items.append((x.shape, target, count))
+            wanted.setdefault(key, []).append(dev)
+        slot_of: dict[jax.Device, int] = {}
+        for key, devices in wanted.items():
+            slot_of.update(self._schedule(held[key], devices))
+        self._items.append((x.shape, target, [slot_of[d] for d in target.addressable_devices_indices_map(x.shape)]))
+
+    def _schedule(self, sources: list[jax.Array], devices: list[jax.Device]) -> dict[jax.Device, int]:
+        """Copies of one index to `devices`, in rounds; returns each device's slot in `self._copies`."""
+        nbytes = sources[0].nbytes
+        slots, todo = {}, []
+        on_device = {_device(b): b for b in sources}
+        for dev in devices:  # a device that holds the index already copies it locally, outside the rounds
+            if dev in on_device:
+                slots[dev] = self._put(0, on_device[dev], dev, nbytes, count_load=False)
+            else:
+                todo.append(dev)
+        holders: list = list(sources)  # buffers, or slots of copies from earlier rounds
+        rnd = 0
+        while todo:
+            senders = sorted(holders, key=lambda h: self.load.get(self._holder_device(h), 0))
+            received = []
+            for h, dev in zip(senders, list(todo)):
+                slots[dev] = self._put(rnd, h, dev, nbytes)
+                received.append(slots[dev])
+                todo.remove(dev)
+            holders += received
+            rnd += 1
+        return slots
+
+    def _holder_device(self, h) -> jax.Device:
+        return self._copies[h][2] if isinstance(h, int) else _device(h)
+
+    def _put(self, rnd: int, src, dev: jax.Device, nbytes: int, *, count_load: bool = True) -> int:
+        if count_load:
+            d = self._holder_device(src)
+            self.load[d] = self.load.get(d, 0) + nbytes
+        self.bytes += nbytes
+        self.count += 1
+        self.rounds = max(self.rounds, rnd + 1)
+        self._copies.append((rnd, src, dev))
+        return len(self._copies) - 1
 
     def run(self) -> list[jax.Array]:
-        if not self._srcs:
+        if not self._copies:
             return []
-        # may_alias=False: a shard already on its rollout device is still copied, so the result never shares a
-        # buffer that the trainer may donate to its next update.
-        copies = jax.device_put(self._srcs, self._dsts, may_alias=False)
-        out, i = [], 0
-        for shape, target, n in self._items:
-            out.append(jax.make_array_from_single_device_arrays(shape, target, copies[i:i + n]))
-            i += n
-        self._srcs, self._dsts, self._items = [], [], []
+        done: list = [None] * len(self._copies)
+        for rnd in range(self.rounds):
+            batch = [i for i, c in enumerate(self._copies) if c[0] == rnd]
+            srcs = [done[src] if isinstance(src, int) else src for _, src, _ in (self._copies[i] for i in batch)]
+            # may_alias=False: a shard already on its rollout device is still copied, so the result never shares
+            # a buffer that the trainer may donate to its next update.
+            outs = jax.device_put(srcs, [self._copies[i][2] for i in batch], may_alias=False)
+            for i, y in zip(batch, outs):
+                done[i] = y
+        out = [jax.make_array_from_single_device_arrays(shape, target, [done[i] for i in slots])
+               for shape, target, slots in self._items]
+        self._copies, self._items = [], []
         return out

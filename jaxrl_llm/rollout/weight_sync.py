@@ -123,13 +123,17 @@ def no_host_copies():
 class SyncStats:
     """What the last sync did. bytes: copied device to device (all shards); copies: shard copies; buckets:
     bucket programs run on the training devices; bucket_bytes: the largest bucket's output on one training
-    device (the sync's transient there); seconds: wall time until every copy landed."""
+    device (the sync's transient there); rounds: the most copy rounds of one batch (more than 1 where rollout
+    devices pass on what they received: more replicas than holders); seconds: wall time until every copy
+    landed; sent: bytes copied out of each device (by id), training and rollout."""
 
     seconds: float = 0.0
     bytes: int = 0
     copies: int = 0
     buckets: int = 0
     bucket_bytes: int = 0
+    rounds: int = 0
+    sent: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +289,7 @@ class WeightSync:
             if len(pending) >= self.in_flight:  # the oldest bucket's copies land before another program runs
                 jax.block_until_ready(_arrays(pending.popleft()))
         done.update(staging)
+        self.stats.sent = {getattr(d, "id", d): n for d, n in load.items()}
         out: dict = {}
         for leaf in leaves:
             set_path(out, leaf.path, done[leaf.path])
@@ -326,6 +331,7 @@ class WeightSync:
             plan.add(x, leaf.target(), "/".join(leaf.path))
         self.stats.bytes += plan.bytes
         self.stats.copies += plan.count
+        self.stats.rounds = max(self.stats.rounds, plan.rounds)
         return plan.run()
 
     def _buckets(self, leaves: list[_Leaf]):

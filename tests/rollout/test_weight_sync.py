@@ -92,6 +92,21 @@ def test_values_arrive_bit_for_bit_on_the_rollout_devices(split, param_dtype):
     assert_bits_equal(again, host(params, ml_dtypes.bfloat16), rollout.devices.flat)
 
 
+def test_more_replicas_than_holders_fan_out_from_the_rollout_devices():
+    """1+3: the one training device sends the model to one rollout device, then to a second while the first
+    passes it on to the third: two rounds, twice the model out of the training device instead of three times."""
+    train, rollout = meshes("1+3")
+    params = init_params(CFG, mesh=train, seed=1, dtype="bfloat16")
+    sync = WeightSync(CFG, rollout, dtype="bfloat16")
+    with no_host_copies():
+        out = sync(params)
+    assert_bits_equal(out, host(params), rollout.devices.flat)
+    model = sum(x.nbytes for x in jax.tree.leaves(params))
+    (t,), (r0, r1, r2) = [d.id for d in train.devices.flat], [d.id for d in rollout.devices.flat]
+    assert sync.stats.rounds == 2 and sync.stats.bytes == 3 * model
+    assert sync.stats.sent[t] == 2 * model and sorted(sync.stats.sent.get(r, 0) for r in (r0, r1, r2)) == [0, 0, model]
+
+
 def test_the_guard_catches_a_copy_through_the_host():
     """A device_put whose target shards the source does not hold goes through host memory in JAX; under
     `no_host_copies` that is an error (the same put without the guard works, so it is the guard that caught
