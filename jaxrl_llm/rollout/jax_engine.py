@@ -54,7 +54,7 @@ from jaxrl_llm.rollout.ladders import Ladders, pow2
 from jaxrl_llm.rollout.page_pool import pages_for
 from jaxrl_llm.rollout.programs import Programs, default_dir
 from jaxrl_llm.rollout.routing import routed_experts_of_rows
-from jaxrl_llm.rollout.scheduler import Row, RowStore, slot_bucket, slot_ladder
+from jaxrl_llm.rollout.scheduler import Row, RowStore, slot_ladder, slot_width
 from jaxrl_llm.rollout.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ class JaxEngine(EngineMemory, EngineWeights):
         shard may hold, the prefill and copy ladders) in parallel threads, before the pools are allocated (so
         XLA's autotuning has the device's memory); then loads them onto the other shards."""
         lad, base = self.ladders, self._base
-        top = slot_bucket(min(self.max_num_seqs, rows))
+        top = slot_width(min(self.max_num_seqs, rows), self.max_num_seqs)  # the widest segment a shard runs
         if not self.warm_programs or (spec, top, num_pages, lad) in self._warmed:
             return
         pool_shape = (spec.num_kv_heads, num_pages, self.page_size, spec.head_dim)
@@ -248,7 +248,7 @@ class JaxEngine(EngineMemory, EngineWeights):
         params = base.params
         shapes = [("_decode", (params, pool, np.zeros((s, lad.width + paged_decode.DECODE_COLS), np.int32)),
                    {"spec": spec}) for s in slot_ladder(self.max_num_seqs) if s <= top]
-        for fresh, lengths in ((True, lad.fresh_lengths(self.max_prompt_length)), (False, lad.cont_lengths)):
+        for fresh, lengths in ((True, lad.fresh_lengths(lad.max_prompt)), (False, lad.cont_lengths)):
             for length in lengths:
                 for b in lad.row_options(length, fresh):
                     packed = np.zeros((b, length + lad.table_width(length, fresh) + 2), np.int32)

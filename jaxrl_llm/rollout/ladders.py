@@ -7,11 +7,15 @@ later step:
 * **Decode**: [S, W] with S a slot bucket (rollout/scheduler.py) and W the block-table width, fixed by the
   engine's `max_model_len` (prompt + response).
 * **Fresh prefill** (a context from position 0, the common case: a new prompt): L, a power of two from 16 up
-  to `max_fresh`, with B(L) rows a call (the token budget `max_num_batched_tokens` over L), or B(L) / 8 rows
-  for a call that would be mostly padding. The chunk attends within itself; its table covers L positions.
-* **Continuation prefill** (a long prompt's later chunks, a preempted row's context after its shared prompt
-  pages): over the full table width W, at Lc (its attention scores within ATTN_BYTES) or Lc / 8 for a short
-  rest.
+  to `fresh_top` (the longest prompt's, within `max_fresh`), with B(L) rows a call (the token budget
+  `max_num_batched_tokens` over L), or B(L) / 8 rows for a call that would be mostly padding. The chunk attends
+  within itself; its table covers L positions.
+* **Continuation prefill** (a long prompt's later chunks; a preempted or recomputed row's context after its
+  shared prompt pages, or after its first `fresh_top` tokens where it shares none): over the full table width
+  W, at Lc (its attention scores within ATTN_BYTES) or Lc / 8 for a short rest. A resumed row's context (its
+  prompt and the tokens it has) can be as long as `max_model_len`; taking what passes `fresh_top` in these
+  chunks keeps it on programs built ahead (a fully async run's partial rollouts recompute theirs after every
+  weight swap).
 * **Copy on write**: one program copying up to a shard's slot count of pages.
 
 Glossary: B rows a call, L chunk length, W table width (pages), ps page size, N q heads.
@@ -73,6 +77,12 @@ class Ladders:
         by_attn = floor_pow2(max(MIN_CHUNK, math.isqrt(ATTN_BYTES // (self.num_heads * 4))))
         return max(MIN_CHUNK, min(floor_pow2(self.max_batched_tokens), by_attn, pow2(self.width * self.page_size)))
 
+    @property
+    def fresh_top(self) -> int:
+        """The longest fresh chunk a plan uses, and the engine builds ahead: the longest prompt's (at most
+        max_fresh)."""
+        return self.fresh_lengths(self.max_prompt)[-1]
+
     def fresh_lengths(self, upto: int | None = None) -> list[int]:
         """Fresh chunk lengths, 16 .. max_fresh (or the first that covers `upto`)."""
         top = self.max_fresh if upto is None else min(self.max_fresh, max(MIN_CHUNK, pow2(upto)))
@@ -116,14 +126,14 @@ class Ladders:
 
     # ---- a plan's prefills -----------------------------------------------------------------------
     def chunks(self, task: PrefillTask) -> list[Chunk]:
-        """A task's chunks in order: one fresh chunk when it starts at 0 and fits, else a fresh first chunk (at 0)
-        and continuation chunks."""
-        out, a = [], task.start
+        """A task's chunks in order: one fresh chunk when it starts at 0 and fits in `fresh_top`, else a fresh
+        first chunk (at 0) of `fresh_top` and continuation chunks."""
+        out, a, top = [], task.start, self.fresh_top
         if a == 0:
-            if task.end <= self.max_fresh:
+            if task.end <= top:
                 return [Chunk(task, 0, task.end, max(MIN_CHUNK, pow2(task.end)), True)]
-            out.append(Chunk(task, 0, self.max_fresh, self.max_fresh, True))
-            a = self.max_fresh
+            out.append(Chunk(task, 0, top, top, True))
+            a = top
         short, lc = self.cont_lengths[0], self.cont_lengths[-1]
         while a < task.end:
             length = lc if task.end - a > lc // 2 else short

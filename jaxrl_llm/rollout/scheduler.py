@@ -245,7 +245,7 @@ class Scheduler:
             preempted += 1
         copies = self._grow(seg) if self.n else (np.zeros(0, np.int32), np.zeros(0, np.int32))
         n = self.n
-        slots = min(self.cap, max(MIN_SLOTS, slot_bucket(n))) if n else 1
+        slots = slot_width(n, self.cap)
         if self.more_waiting():  # refill as soon as a few slots free up (or pages come back)
             stop_free = slots - n + max(1, slots // 16)
         else:  # no one waits: stop once the live rows fit the next smaller bucket
@@ -443,6 +443,12 @@ def slot_bucket(x: int) -> int:
         return _next_pow2(x)
     q = (1 << (x.bit_length() - 1)) // 4
     return -(-x // q) * q
+
+
+def slot_width(n: int, cap: int) -> int:
+    """The decode width (slots) of a segment with `n` live rows on a shard of `cap` slots: never under
+    MIN_SLOTS (nor over the cap), so a shard of few rows still runs the narrowest program built ahead."""
+    return min(cap, max(MIN_SLOTS, slot_bucket(n))) if n else 1
 
 
 def slot_bucket_below(width: int) -> int:

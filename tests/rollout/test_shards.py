@@ -85,10 +85,37 @@ def test_ladders_are_fixed_by_config_and_cover_every_prefill():
         for c in call:
             assert c.end - c.start <= c.length
             covered.setdefault(c.task.row.rid, []).append((c.start, c.end))
-    assert covered[0][0] == (0, 2048) and covered[1] == [(0, 39)] and covered[2] == [(16, 24)]
+    assert covered[0][0] == (0, 512) and covered[1] == [(0, 39)] and covered[2] == [(16, 24)]
     assert all(a[1] == b[0] for a, b in zip(covered[0], covered[0][1:])) and covered[0][-1][1] == 2999
     first_resumed = min(i for i, call in enumerate(calls) if call[0].task.row.rid == 2)
     assert all(c.task.row.ntok == 0 for call in calls[:first_resumed] for c in call)  # fresh rows first
+
+
+def test_every_prefill_of_any_context_runs_on_a_program_built_ahead():
+    """A recomputed partial rollout (fully async, after a weight swap) or a preempted row whose prompt pages are
+    gone prefills its whole context from position 0: up to prompt + response, past the longest prompt. Its
+    chunks still take only the shapes the engine builds ahead (fresh up to the prompt's, then continuation), so
+    nothing compiles mid-run."""
+    lad = Ladders(width=64, page_size=16, num_heads=28, max_batched_tokens=8192, max_prompt=300, slot_cap=256)
+    built = {(n, True, b) for n in lad.fresh_lengths(300) for b in lad.row_options(n, True)}
+    built |= {(n, False, b) for n in lad.cont_lengths for b in lad.row_options(n, False)}
+    assert lad.fresh_lengths(300)[-1] == 512 < lad.max_fresh
+    store = RowStore(64, 1024, 0)
+    tasks = []
+    for rid, (start, end) in enumerate([(0, 40), (0, 299), (0, 513), (0, 700), (0, 1023), (16, 1000), (256, 900)]):
+        store.lengths[rid] = max(0, end - 300)  # the tokens it has past a 300-token prompt
+        tasks.append(PrefillTask(Row(rid, rid, np.ones(min(end, 300), np.int32), 8, store), start, end, np.zeros(0)))
+    seen = {rid: [] for rid in range(len(tasks))}
+    for call in lad.calls(tasks):
+        (length, fresh), rows = {(c.length, c.fresh) for c in call}.pop(), len(call)
+        assert (length, fresh, rows) in built or any(
+            (length, fresh, b) in built and rows <= b for b in lad.row_options(length, fresh)), (length, fresh, rows)
+        for c in call:
+            seen[c.task.row.rid].append((c.start, c.end))
+    for rid, t in enumerate(tasks):  # every context covered once, in order
+        spans = seen[rid]
+        assert spans[0][0] == t.start and spans[-1][1] == t.end
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 
 # ---- one executable on other devices ------------------------------------------------------------------------

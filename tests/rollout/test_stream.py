@@ -23,8 +23,9 @@ LONG = SamplingParams(n=2, temperature=0.0, max_new_tokens=40, ignore_eos=True)
 def engine(model, params=None, data: int = 2, **kw):
     cfg, base = model
     mesh = sharding.make_mesh(data, 1, 1, devices=jax.devices()[:data])
-    return JaxEngine(cfg, base if params is None else params, dtype="float32", page_size=4, max_prompt_length=56,
-                     max_model_len=64, max_segment=4, free_cache_engine=False, mesh=mesh, **kw)
+    kw = {"max_prompt_length": 56, **kw}
+    return JaxEngine(cfg, base if params is None else params, dtype="float32", page_size=4, max_model_len=64,
+                     max_segment=4, free_cache_engine=False, mesh=mesh, **kw)
 
 
 def collect(q: queue.Queue, count: int) -> dict:
@@ -103,6 +104,29 @@ def test_new_weights_are_taken_at_a_boundary_and_each_token_keeps_its_version(mo
             assert cont.lengths[row] == left
             np.testing.assert_array_equal(tokens, cont.tokens[row, :left])
     assert (stream.recomputed > 0) == (kv == "recompute")
+
+
+def test_rows_recomputed_past_the_longest_prompt_run_on_programs_built_ahead(model):
+    """After a swap, a recomputed row prefills its prompt and every token it has (here past the 16 tokens of the
+    longest prompt): the engine's programs, built ahead for its ladders, cover it, so the swap compiles
+    nothing (a fully async run's partial rollouts do this at every sync)."""
+    cfg, base = model
+    eng = engine(model, max_prompt_length=16, warm_programs=True)
+    other = perturbed(base)
+    eng.convert(other)  # its conversion programs compiled now, so the rows are still running at the swap
+    q = queue.Queue()
+    stream = RolloutStream(eng, LONG, capacity=8, on_group=q.put, kv="recompute")
+    stream.submit(PROMPTS, list(range(5)), seed=0)
+    programs = eng._programs_for()
+    while stream.store.lengths.max() < 14:  # a row is past 16 tokens of context (its prompt has 2 to 11)
+        time.sleep(0.002)
+    before = dict(programs.stats)
+    stream.stage_weights(other, version=eng.version + 1)
+    stream.wait_swapped()
+    got = collect(q, 5)
+    stream.close()
+    assert stream.recomputed > 0 and len(got) == 5
+    assert programs.stats["compiled"] == before["compiled"], (before, programs.stats)
 
 
 def test_a_paused_stream_hands_back_its_rows_and_resubmitting_them_resumes_them_exactly(model):
