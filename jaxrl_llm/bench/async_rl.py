@@ -3,6 +3,7 @@ long-tailed, DAPO-style workload, one mode after the other on the same devices a
 
   python -m jaxrl_llm.bench --sections async_longtail [--train_presets qwen2p5_1p5b] [--rollout_gpus 2]
                             [--async_modes sync,one_step_off,fully_async] [--long_cap 8192] [--steps 6]
+  python -m jaxrl_llm.bench.async_rl A/rows.jsonl B/rows.jsonl   # the summary over modes run in several calls
   XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
       python -m jaxrl_llm.bench --sections async_longtail --small     # the tiny preset on simulated CPU devices
 
@@ -57,18 +58,37 @@ def async_longtail(opts):
         raise ValueError(f"--async_modes: {bad} unknown; use any of {', '.join(MODES)}")
     rollout, train = plan_devices(opts.rollout_gpus, opts.train_gpus, jax.device_count())
     n_dev = rollout + train
+    rows = []
     for preset in [opts.small_preset] if opts.small else opts.train_presets.split(","):
-        summary = {}
         for mode in modes:
-            rows = run_mode(opts, preset, mode, n_dev, rollout)
-            steady = [r for r in rows if r["step"] >= 2] or rows
-            summary[mode] = float(np.median([r["samples_per_s"] for r in steady]))
-            emit(section="async_longtail_summary", preset=preset, mode=mode, lengths=opts.async_lengths,
-                 rollout_gpus=rollout if mode != "sync" else 0, devices=n_dev, steady_steps=len(steady),
-                 samples_per_s=summary[mode],
-                 vs_sync=summary[mode] / summary["sync"] if "sync" in summary else None,
-                 wait_share=float(np.median([r["wait_share"] for r in steady])),
-                 wall_s=float(np.median([r["wall_s"] for r in steady])))
+            rows += run_mode(opts, preset, mode, n_dev, rollout)
+            (mine,) = [r for r in summarize(rows) if (r["preset"], r["mode"]) == (preset, mode)]
+            emit(**mine)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """A summary row per (preset, lengths, devices, mode) of `async_longtail` step rows, of one run or of several
+    (a mode a process: at cap 8,192 one mode takes about a 10-minute call): the median over the steps from 2 on
+    of samples/s, wall and wait share, and samples/s against sync's of the same preset, lengths and devices."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("section") == "async_longtail":
+            groups.setdefault((r["preset"], r.get("lengths", "long"), r["devices"], r["mode"]), []).append(r)
+    rate = {}
+    for key, rs in groups.items():
+        steady = [r for r in rs if r["step"] >= 2] or rs
+        rate[key] = float(np.median([r["samples_per_s"] for r in steady]))
+    out = []
+    for (preset, lengths, devices, mode), rs in groups.items():
+        steady = [r for r in rs if r["step"] >= 2] or rs
+        sync = rate.get((preset, lengths, devices, "sync"))
+        out.append(dict(section="async_longtail_summary", preset=preset, mode=mode, lengths=lengths,
+                        rollout_gpus=rs[0]["rollout_gpus"], devices=devices, steady_steps=len(steady),
+                        samples_per_s=rate[(preset, lengths, devices, mode)],
+                        vs_sync=rate[(preset, lengths, devices, mode)] / sync if sync else None,
+                        wait_share=float(np.median([r["wait_share"] for r in steady])),
+                        wall_s=float(np.median([r["wall_s"] for r in steady]))))
+    return out
 
 
 def plan_devices(rollout: int | None, train: int | None, n_all: int) -> tuple[int, int]:
@@ -175,3 +195,11 @@ def run_mode(opts, preset: str, mode: str, n_dev: int, rollout: int) -> list[dic
         del trainer, engine
         gc.collect()  # the next mode's engine sizes its KV pool from the memory free now
     return rows
+
+
+if __name__ == "__main__":  # python -m jaxrl_llm.bench.async_rl ROWS.jsonl ...: the summary over several runs' rows
+    import json
+    import sys
+
+    for row in summarize([json.loads(line) for path in sys.argv[1:] for line in open(path) if line.strip()]):
+        print(json.dumps(row))

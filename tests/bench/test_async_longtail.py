@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.bench import __main__ as cli
-from jaxrl_llm.bench.async_rl import plan_devices, run_mode
+from jaxrl_llm.bench.async_rl import plan_devices, run_mode, summarize
 
 
 def test_every_mode_runs_the_same_long_tail_and_is_compared_with_sync(tmp_path, own_rows):
@@ -28,6 +28,22 @@ def test_every_mode_runs_the_same_long_tail_and_is_compared_with_sync(tmp_path, 
     assert len(steps["sync", 0]["compiled"]) == 5
     summary = {r["mode"]: r for r in rows if r["section"] == "async_longtail_summary"}
     assert summary["sync"]["vs_sync"] == 1.0 and summary["fully_async"]["vs_sync"] > 0
+
+
+def test_modes_run_in_separate_calls_are_summarized_against_sync():
+    """At cap 8,192 a mode takes about a call: the summary joins the rows of several runs, each mode against the
+    sync of the same preset, lengths and device count, over the steps from 2 on."""
+    def rows(mode, rates, devices=4):
+        return [dict(section="async_longtail", preset="p", lengths="long", devices=devices, mode=mode, step=i,
+                     rollout_gpus=0 if mode == "sync" else 2, samples_per_s=x, wait_share=0.1 * i, wall_s=100 / x)
+                for i, x in enumerate(rates)]
+
+    out = summarize(rows("sync", [1.0, 9.0, 10.0, 12.0, 11.0]) + rows("fully_async", [2.0, 5.0, 20.0, 22.0, 24.0])
+                    + rows("fully_async", [1.0, 1.0, 7.0], devices=2))
+    got = {(r["mode"], r["devices"]): r for r in out}
+    assert got["sync", 4]["samples_per_s"] == 11.0 and got["sync", 4]["vs_sync"] == 1.0
+    assert got["fully_async", 4]["vs_sync"] == 2.0 and got["fully_async", 4]["steady_steps"] == 3
+    assert got["fully_async", 4]["wait_share"] == pytest.approx(0.3) and got["fully_async", 2]["vs_sync"] is None
 
 
 def test_the_device_split_defaults_to_halves_and_one_that_does_not_fit_is_one_clear_error():
