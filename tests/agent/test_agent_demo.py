@@ -5,7 +5,6 @@ state but the seed). The full recipe goes on to copy the product (validation acc
 1.0 at step 300, BENCHMARKS.md); the copy takes off around step 210, past what CI can afford, so CI
 checks the first stage only."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -28,7 +27,7 @@ def _cli(run_dir, *params, steps):
 
 def _run(run_dir, *params, steps, timeout=600):
     out = subprocess.run(_cli(run_dir, *params, steps=steps), cwd=runs.REPO, capture_output=True, text=True,
-                         timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                         timeout=timeout, env=runs.optimised_env(JAX_PLATFORMS="cpu"))
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -61,7 +60,7 @@ def test_multi_turn_run_killed_mid_way_resumes_exactly(tmp_path, demo):
     reference = runs.by_step(demo)
     proc = subprocess.Popen(_cli(tmp_path, "train.test_freq=-1", "train.save_freq=1", steps=3), cwd=runs.REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                            env=runs.optimised_env(JAX_PLATFORMS="cpu"))
     runs.wait_for_steps(tmp_path, 2, proc, timeout=300)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

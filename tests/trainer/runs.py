@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,6 +18,15 @@ FAST = ["train.progress_bar=False", "train.logger=('jsonl',)", "train.val_before
 
 # Metrics that measure time rather than the computation; they differ between runs.
 TIME_KEYS = ("timing_s/", "timing_per_token_ms/", "perf/")
+
+
+def optimised_env(**extra: str) -> dict[str, str]:
+    """This process's environment with XLA's CPU backend at its default optimisation level, plus `extra`, for the
+    long learning runs. conftest compiles unoptimised, which pays where a program runs a few times (most tests);
+    a demo runs its step programs hundreds of times, and ran ~1.7x slower unoptimised (tests/trainer/test_demo.py:
+    199 s against 117 s). A run compared exactly with one of these must use it too."""
+    flags = re.sub(r"--xla_backend_optimization_level=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    return {**os.environ, "XLA_FLAGS": " ".join(flags.split()), **extra}
 
 
 def cli(run_dir, *params, steps: int, extra_env=None) -> list[str]:

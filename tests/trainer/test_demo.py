@@ -16,7 +16,7 @@ def _demo(gin_file: str, tmp_path, steps: int = 80, *params: str) -> tuple[float
          f"--gin.train.total_training_steps={steps}", f"--gin.train.test_freq={steps}",
          "--gin.train.val_before_train=False", "--gin.train.progress_bar=False", f"--gin.train.run_dir='{tmp_path}'",
          *(f"--gin_param={p}" for p in params)],
-        cwd=runs.REPO, capture_output=True, text=True, timeout=600)
+        cwd=runs.REPO, capture_output=True, text=True, timeout=600, env=runs.optimised_env())
     assert out.returncode == 0, out.stderr[-3000:]
     rows = runs.metrics(tmp_path)
     scores = np.array([r["critic/score/mean"] for r in rows if "critic/score/mean" in r])

@@ -9,6 +9,7 @@
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,10 @@ ALGOS = {
             "actor.ppo_mini_batch_size=4"),
 }
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+# One process with 8 devices, under the other XLA flags the tests run with (conftest's): the runs compared with
+# it must compile alike.
+XLA_FLAGS_8 = (re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+               + " --xla_force_host_platform_device_count=8").strip()
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,7 @@ def _params(algo, hf_dir):
 
 def _one_process(run_dir, *params, steps=STEPS) -> subprocess.CompletedProcess:
     return subprocess.run(runs.cli(run_dir, *params, steps=steps), cwd=runs.REPO, capture_output=True, text=True,
-                          timeout=400, env={**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+                          timeout=400, env={**ENV, "XLA_FLAGS": XLA_FLAGS_8})
 
 
 def _launch_cmd(run_dir, *params, steps=STEPS, n=2) -> list[str]:
