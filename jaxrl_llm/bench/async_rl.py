@@ -74,20 +74,17 @@ def summarize(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r.get("section") == "async_longtail":
             groups.setdefault((r["preset"], r.get("lengths", "long"), r["devices"], r["mode"]), []).append(r)
-    rate = {}
-    for key, rs in groups.items():
-        steady = [r for r in rs if r["step"] >= 2] or rs
-        rate[key] = float(np.median([r["samples_per_s"] for r in steady]))
+    steady = {key: [r for r in rs if r["step"] >= 2] or rs for key, rs in groups.items()}
+    rate = {key: float(np.median([r["samples_per_s"] for r in rs])) for key, rs in steady.items()}
     out = []
-    for (preset, lengths, devices, mode), rs in groups.items():
-        steady = [r for r in rs if r["step"] >= 2] or rs
+    for key, rs in steady.items():
+        preset, lengths, devices, mode = key
         sync = rate.get((preset, lengths, devices, "sync"))
         out.append(dict(section="async_longtail_summary", preset=preset, mode=mode, lengths=lengths,
-                        rollout_gpus=rs[0]["rollout_gpus"], devices=devices, steady_steps=len(steady),
-                        samples_per_s=rate[(preset, lengths, devices, mode)],
-                        vs_sync=rate[(preset, lengths, devices, mode)] / sync if sync else None,
-                        wait_share=float(np.median([r["wait_share"] for r in steady])),
-                        wall_s=float(np.median([r["wall_s"] for r in steady]))))
+                        rollout_gpus=rs[0]["rollout_gpus"], devices=devices, steady_steps=len(rs),
+                        samples_per_s=rate[key], vs_sync=rate[key] / sync if sync else None,
+                        wait_share=float(np.median([r["wait_share"] for r in rs])),
+                        wall_s=float(np.median([r["wall_s"] for r in rs]))))
     return out
 
 

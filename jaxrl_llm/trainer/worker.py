@@ -424,6 +424,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
             prefix="critic")
         return metrics
 
+    # ---- small queries for the driver -------------------------------------------------------------
     def model_config(self) -> Qwen2Config:
         return self.cfg
 

@@ -76,5 +76,3 @@ class WorkerWeights:
 
         path = os.path.join(os.path.abspath(directory), "adapters", str(step))
         return save_peft(self.actor.adapters(), self.lora, path, self.cfg, dtype=self.cfg.dtype)
-
-    # ---- small queries for the driver -------------------------------------------------------------
