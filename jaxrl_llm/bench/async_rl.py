@@ -107,7 +107,10 @@ def _run_config(opts, preset: str, mode: str, n_dev: int, rollout: int):
     run = make_run(preset, prompts=prompts, n=n, mini=prompts // 2, budget=2048 if opts.small else opts.token_budget,
                    remat=opts.remat.split(",")[0], small=opts.small, max_response=cap,
                    max_prompt=64 if opts.small else 512, run_dir=tempfile.mkdtemp(),
-                   max_batch=4096 * n_dev, fsdp=n_dev if mode == "sync" else -1)
+                   max_batch=4096 * n_dev, fsdp=n_dev if mode == "sync" else -1,
+                   # the run's own length: one_step_off generates no batch past its last step, so a shorter run
+                   # would turn the steps after it synchronous (generate, then train)
+                   total_steps=opts.steps)
     run = dataclasses.replace(run, actor=dataclasses.replace(run.actor, loss_agg_mode="token-mean",
                                                              clip_ratio_high=0.28))
     if mode != "sync":

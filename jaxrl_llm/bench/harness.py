@@ -57,12 +57,18 @@ def section(name: str, *, help: str, defaults: dict | None = None, **kw):
     """Registers the decorated function as section `name` (see `Section` for the keywords)."""
 
     def register(fn):
-        if name in SECTIONS:
+        if name in SECTIONS and not _same_source(SECTIONS[name].fn, fn):
             raise ValueError(f"benchmark section {name!r} is registered twice")
         SECTIONS[name] = Section(name, fn, help, dict(defaults or {}), **kw)
         return fn
 
     return register
+
+
+def _same_source(a, b) -> bool:
+    """One function imported twice: `python -m jaxrl_llm.bench.<module>` runs a module that the package has already
+    imported, as `__main__`, and its sections register again."""
+    return a.__qualname__ == b.__qualname__ and a.__code__.co_filename == b.__code__.co_filename
 
 
 def option(flag: str, default=None, **kw) -> None:

@@ -116,7 +116,7 @@ def long_lengths(n: int, seed: int = 0, cap: int = 16384) -> np.ndarray:
 def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat: str, fsdp: int = -1, tensor: int = 1,
              max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run",
              max_batch: int = 4096, decode_attention: str = "auto", kv_cache: str = "paged", lora_rank: int = 0,
-             lora_alpha: float = 64.0, base_quantization: str = "none"):
+             lora_alpha: float = 64.0, base_quantization: str = "none", total_steps: int = 3):
     from jaxrl_llm.models.config import PRESETS
     from jaxrl_llm.trainer import config as C
 
@@ -141,7 +141,7 @@ def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat
         critic=C.CriticConfig(), algo=C.AlgoConfig(adv_estimator="grpo"), reward=C.RewardConfig(),
         trainer=C.TrainerConfig(run_dir=run_dir, logger=("jsonl",), driver="inprocess", mesh_fsdp=fsdp,
                                 mesh_tensor=tensor,
-                                progress_bar=False, total_training_steps=3)).validate()
+                                progress_bar=False, total_training_steps=total_steps)).validate()
 
 
 def synthetic_batch(n_prompts: int, n: int, max_response: int, vocab: int, seed: int = 0, max_prompt: int = 512):

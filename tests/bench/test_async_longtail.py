@@ -4,6 +4,9 @@ it with the synchronous step; a split that does not fit is one clear error."""
 
 import gc
 import json
+import os
+import subprocess
+import sys
 import types
 
 import jax
@@ -62,12 +65,31 @@ def test_a_finished_async_mode_leaves_the_devices_as_it_found_them(own_rows):
     """The modes run one after the other in one process, and each engine sizes its KV pool from the memory free
     when it starts: a closed async trainer frees its rollout engine's pool and weights, and nothing of the mode
     stays on a device (on 2×H200 the fully_async mode found 116 GiB of one_step_off's pool still held)."""
-    opts = types.SimpleNamespace(small=True, steps=1, remat="full", token_budget=2048, prompts_per_gpu=4,
+    opts = types.SimpleNamespace(small=True, steps=4, remat="full", token_budget=2048, prompts_per_gpu=4,
                                  long_cap=64, staleness=0.5, async_lengths="long")
     before = _live_bytes()
     rows = run_mode(opts, "tiny", "one_step_off", 2, 1)
-    assert len(rows) == 1 and rows[0]["samples"] > 0
+    assert len(rows) == 4 and rows[0]["samples"] > 0
+    # One step off to the end: each batch after the first was generated while the step before it trained (the
+    # run's length is the benchmark's, not make_run's default of 3, past which the steps turned synchronous).
+    assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert _live_bytes() <= before + 1024, (before, _live_bytes())
+
+
+def test_the_summary_over_several_runs_is_a_command(tmp_path):
+    """`python -m jaxrl_llm.bench.async_rl A/rows.jsonl B/rows.jsonl` (the session script's last line; the module is
+    also one the package imports, so its section must not refuse to register a second time)."""
+    rows = [dict(section="async_longtail", preset="p", lengths="long", devices=4, mode=mode, step=i,
+                 rollout_gpus=0 if mode == "sync" else 2, samples_per_s=rate * (i + 1), wait_share=0.0, wall_s=1.0)
+            for mode, rate in (("sync", 1.0), ("one_step_off", 2.0)) for i in range(3)]
+    for i, mode in enumerate(("sync", "one_step_off")):
+        (tmp_path / f"{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["mode"] == mode))
+    out = subprocess.run([sys.executable, "-m", "jaxrl_llm.bench.async_rl", str(tmp_path / "0.jsonl"),
+                          str(tmp_path / "1.jsonl")], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = {r["mode"]: r for r in map(json.loads, out.stdout.splitlines())}
+    assert got["one_step_off"]["vs_sync"] == 2.0 and got["sync"]["samples_per_s"] == 3.0
 
 
 def test_the_seed_shape_hands_every_mode_the_seed_runs_lengths():
