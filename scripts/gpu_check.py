@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         merged = check.merge(args.merge)
         meta = merged["meta"]
-        print(check.write_report(merged["results"], meta["device"], date=meta["date"], sha=meta["commit"]))
+        extra = {k: v for k, v in meta.items() if k not in ("date", "device", "commit")}
+        print(check.write_report(merged["results"], meta["device"], date=meta["date"], sha=meta["commit"],
+                                 extra=extra))
         return 0 if all(r["ok"] for r in merged["results"]) else 1
     names = args.configs.split(",")
     unknown = sorted(set(names) - {c.name for c in check.CONFIGS})

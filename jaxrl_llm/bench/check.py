@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from jaxrl_llm.bench.harness import REPO, commit
+from jaxrl_llm.bench.harness import REPO, commit, commit_of_tree, tree
 
 BASELINES = os.path.join(REPO, "benchmarks", "baselines.json")
 E2E = ("--sections", "e2e", "--remat", "auto", "--token_budget", "16384", "--steps", "2")
@@ -159,18 +159,22 @@ def device_slug(device: str) -> str:
 def report_path(date: str, sha: str, device: str) -> str:
     """benchmarks/runs/<date>/gpu_check_<commit>_<device>.json: one report per device kind and commit, so that
     the H100's and the H200's checks of one commit sit side by side."""
-    return os.path.join(REPO, "benchmarks", "runs", date, f"gpu_check_{sha}_{device_slug(device)}.json")
+    name = f"gpu_check_{sha.replace('+', '-')}_{device_slug(device)}.json"  # the device tool returns no '+' name
+    return os.path.join(REPO, "benchmarks", "runs", date, name)
 
 
 def write_report(results: list[dict], device: str, path: str | None = None, *, date: str | None = None,
-                 sha: str | None = None) -> str:
-    """Writes the report; `date` and `sha` default to today and this tree's commit (a merge keeps its reports')."""
+                 sha: str | None = None, extra: dict | None = None) -> str:
+    """Writes the report; `date` and `sha` default to today and this tree's commit, and then the meta carries the
+    files' git tree too (`harness.tree`); a merge passes its reports' (`extra`: the rest of their meta)."""
     date = date or datetime.date.today().isoformat()
-    sha = sha or commit()
+    if sha is None:
+        sha, extra = commit(), {"tree": tree(), **(extra or {})}
     path = path or report_path(date, sha, device)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    meta = {"date": date, "device": device, "commit": sha, **(extra or {})}
     with open(path, "w") as f:
-        json.dump({"meta": {"date": date, "device": device, "commit": sha}, "results": results}, f, indent=1)
+        json.dump({"meta": meta, "results": results}, f, indent=1)
     return path
 
 
@@ -182,14 +186,23 @@ def load_report(path: str) -> dict:
 def merge(paths: list[str]) -> dict:
     """Reports of one device and commit in several calls as one: a later row of a figure replaces an earlier."""
     reports = [load_report(p) for p in paths]
-    metas = {(r["meta"]["device"], r["meta"]["commit"]) for r in reports}
+    metas = {(r["meta"]["device"], r["meta"]["commit"], r["meta"].get("tree")) for r in reports}
     if len(metas) != 1:
         raise ValueError(f"gpu_check --merge: the reports are of different devices or commits: {sorted(metas)}")
     by_figure: dict[str, dict] = {}
     for r in reports:
         for row in r["results"]:
             by_figure[row["config"]] = row
-    return {"meta": reports[-1]["meta"], "results": list(by_figure.values())}
+    return {"meta": named_commit(reports[-1]["meta"]), "results": list(by_figure.values())}
+
+
+def named_commit(meta: dict) -> dict:
+    """The meta with the commit whose files ran, found by their tree here (a lent machine's copy can sit on an
+    older commit and read '<old>+dirty'); what its git said stays as `ran_as`."""
+    found = commit_of_tree(meta.get("tree"))
+    if not found or found == meta["commit"]:
+        return meta
+    return {**meta, "commit": found, "ran_as": meta.get("ran_as", meta["commit"])}
 
 
 def record(results: list[dict], device: str, baselines: dict, report: str, path: str = BASELINES,

@@ -12,7 +12,9 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -249,9 +251,36 @@ def commit() -> str:
     return sha + "+dirty" if dirty else sha
 
 
+def tree(repo: str = REPO) -> str | None:
+    """The git tree of the files here, tracked and untracked less the ignored, as `git write-tree` names it: a copied
+    tree on a lent machine names whatever commit its git sits on, but this hash is the tree of the commit whose
+    files ran (`commit_of_tree` finds it where that commit exists). None outside a git checkout."""
+    git_index = subprocess.run(["git", "rev-parse", "--git-path", "index"], cwd=repo, capture_output=True, text=True)
+    if git_index.returncode != 0:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        index = os.path.join(d, "index")
+        src = os.path.join(repo, git_index.stdout.strip())
+        if os.path.exists(src):  # a copy of git's index: only the files that changed are hashed again
+            shutil.copy(src, index)
+        env = {**os.environ, "GIT_INDEX_FILE": index}
+        if subprocess.run(["git", "add", "-A"], cwd=repo, env=env, capture_output=True).returncode != 0:
+            return None
+        out = subprocess.run(["git", "write-tree"], cwd=repo, env=env, capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
+def commit_of_tree(tree_hash: str | None, repo: str = REPO) -> str | None:
+    """The newest commit (any branch) whose files are `tree_hash`, as a short hash; None where none is."""
+    if not tree_hash:
+        return None
+    out = subprocess.run(["git", "log", "--all", "--format=%h %T"], cwd=repo, capture_output=True, text=True)
+    return next((c for c, t in (line.split() for line in out.stdout.splitlines()) if t == tree_hash), None)
+
+
 def meta(uses_jax: bool = True) -> dict:
     """Date, device, devices, processes, versions and commit of this run."""
-    out = {"date": datetime.date.today().isoformat(), "commit": commit()}
+    out = {"date": datetime.date.today().isoformat(), "commit": commit(), "tree": tree()}
     if uses_jax:
         import jax
 

@@ -4,8 +4,9 @@ not started. (Its timings on a GPU are the check's own business, never a test's.
 
 import json
 import os
+import subprocess
 
-from jaxrl_llm.bench import check
+from jaxrl_llm.bench import check, harness
 from jaxrl_llm.bench.check import Config, Figure
 
 BASE = {"tolerance": 0.1, "figures": {"step_s": {"unit": "s", "better": "lower",
@@ -91,3 +92,35 @@ def test_a_merged_report_keeps_the_commit_and_date_its_calls_ran_at(tmp_path):
     out = check.write_report(merged["results"], merged["meta"]["device"], str(tmp_path / "m.json"),
                              date=merged["meta"]["date"], sha=merged["meta"]["commit"])
     assert json.loads(open(out).read())["meta"] == meta
+
+
+def _git(repo, *args) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_the_files_that_ran_name_their_commit_whatever_the_copys_git_says(tmp_path):
+    """A lent machine's copy of the tree can sit on an older commit (its report read '19fb848+dirty' for the tree of
+    a later one): the report carries the files' git tree, and a merge here names the commit of that tree."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    assert harness.tree(str(repo)) == _git(repo, "rev-parse", "HEAD^{tree}")
+    (repo / "b.py").write_text("y = 2\n")  # untracked: part of what runs, so part of the tree
+    (repo / "a.py").write_text("x = 3\n")
+    ran = harness.tree(str(repo))
+    assert ran != _git(repo, "rev-parse", "HEAD^{tree}") and harness.commit_of_tree(ran, str(repo)) is None
+    assert _git(repo, "diff", "--cached", "--name-only") == ""  # git's own index untouched: nothing staged
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    assert harness.commit_of_tree(ran, str(repo)) == _git(repo, "rev-parse", "--short", "HEAD")
+
+    head_tree = _git(check.REPO, "rev-parse", "HEAD^{tree}")
+    named = check.named_commit({"date": "d", "device": "NVIDIA H200", "commit": "0ld5ha1+dirty", "tree": head_tree})
+    assert named["ran_as"] == "0ld5ha1+dirty"
+    assert _git(check.REPO, "rev-parse", f"{named['commit']}^{{tree}}") == head_tree
+    stale = {"commit": "0ld5ha1+dirty", "tree": "0" * 40}
+    assert check.named_commit(stale) == stale
+    assert check.report_path("d", "0ld5ha1+dirty", "NVIDIA H200").endswith("gpu_check_0ld5ha1-dirty_h200.json")
