@@ -6,7 +6,8 @@
 #          split the GPUs allow, against a plain device_put (target: 7B bf16 in <= 0.1 s, no host copy)
 #   long   async_longtail: sync, one_step_off and fully_async with partial rollouts on the same heavy tail of
 #          response lengths (up to 8,192), ROLLOUT_GPUS of the K GPUs generating (default K / 2); a process per
-#          mode of MODES (default all three; one or two a call at cap 8,192), then each mode against sync
+#          mode of MODES (default all three; one a call at cap 8,192: sync took 388 s for 5 steps on a cold cache on
+#          4xH200, one_step_off 237 s), STEPS steps (default 6: four steady steps, 2-5), then each mode against sync
 #          (targets on 4 GPUs: one_step_off >= 1.25x sync's samples/s, fully_async >= 1.6x, wait <= 15% of a step)
 #   seed   the same three modes on the seed run's GSM8K shape (--async_lengths seed: lognormal lengths, mean 232, at
 #          most 1,024; SEED_PROMPTS prompts x 5 a GPU, default 128, the seed's per-GPU share)
@@ -25,7 +26,7 @@ for phase in ${PHASES:-sync long seed}; do
       for mode in ${MODES:-sync one_step_off fully_async}; do
         run "async_longtail_$mode" "${T_LONG:-560}" python3 -m jaxrl_llm.bench --sections async_longtail \
           --async_modes "$mode" --train_presets "${PRESET:-qwen2p5_1p5b}" \
-          --rollout_gpus "${ROLLOUT_GPUS:-$((K / 2))}" --steps "${STEPS:-5}" --prompts_per_gpu "${PROMPTS:-16}" \
+          --rollout_gpus "${ROLLOUT_GPUS:-$((K / 2))}" --steps "${STEPS:-6}" --prompts_per_gpu "${PROMPTS:-16}" \
           --long_cap "${CAP:-8192}" --compile_cache $CACHE
       done
       python3 -m jaxrl_llm.bench.async_rl /tmp/out_async_longtail_*/rows.jsonl | tee "$OUT/async_longtail_vs_sync.txt" ;;
