@@ -9,6 +9,8 @@
 #          mode of MODES (default all three; one a call at cap 8,192: sync took 388 s for 5 steps on a cold cache on
 #          4xH200, one_step_off 237 s), STEPS steps (default 6: four steady steps, 2-5), then each mode against sync
 #          (targets on 4 GPUs: one_step_off >= 1.25x sync's samples/s, fully_async >= 1.6x, wait <= 15% of a step)
+#   xproc  the sync across processes (sync_processes): a training process of K/2 GPUs sends 7B bf16 and fp32 masters
+#          to a rollout process of K/2 through one program over both (NCCL), timed on the rollout process
 #   seed   the same three modes on the seed run's GSM8K shape (--async_lengths seed: lognormal lengths, mean 232, at
 #          most 1,024; SEED_PROMPTS prompts x 5 a GPU, default 128, the seed's per-GPU share)
 source "$(dirname "$0")/common.sh"
@@ -30,6 +32,10 @@ for phase in ${PHASES:-sync long seed}; do
           --long_cap "${CAP:-8192}" --compile_cache $CACHE
       done
       python3 -m jaxrl_llm.bench.async_rl /tmp/out_async_longtail_*/rows.jsonl | tee "$OUT/async_longtail_vs_sync.txt" ;;
+    xproc)
+      run sync_processes "${T_XPROC:-400}" python3 -m jaxrl_llm.launch --num_processes 2 --gpus_per_process $((K / 2)) \
+        --log_dir "$OUT/xproc_logs" --module jaxrl_llm.bench -- --sections sync_processes --presets qwen2p5_7b \
+        --repeats 5 --compile_cache $CACHE ;;
     seed)
       run async_seed "${T_SEED:-560}" python3 -m jaxrl_llm.bench --sections async_longtail --async_lengths seed \
         --train_presets "${PRESET:-qwen2p5_1p5b}" --rollout_gpus "${ROLLOUT_GPUS:-$((K / 2))}" \

@@ -16,6 +16,7 @@ function in the module of its kind (or a new module, then import it here), emit 
   memory        memory (XLA's compiled memory of a run's step, the memory matrix)
   weights       sync, weights_checkpoint, weight_path
   sync_split    sync_split (async training's weight sync, training mesh -> rollout mesh on other devices)
+  sync_processes  sync_processes (the same from a training process to a rollout process; under the launcher)
   async_rl      async_longtail (one_step_off and fully_async against the synchronous step, long-tailed lengths)
   lora_sync     lora_sync;  quant: quant;  moe: moe_grouped, moe_update, moe_decode
   decode_kernel, paged_kernel   the Pallas decode kernels alone
@@ -35,6 +36,7 @@ from jaxrl_llm.bench import (  # noqa: F401  (each registers its sections)
     paged_kernel,
     quant,
     shards,
+    sync_processes,
     sync_split,
     tools,
     torch_peers,
