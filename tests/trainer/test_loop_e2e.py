@@ -16,7 +16,10 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Eager torch in the vLLM pools' actors (Ray merges these env_vars with each actor's), as in
+    # tests/rollout/test_vllm_pool.py: it skips compiling vLLM's logprob-rank helper, cold in each actor.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TORCHDYNAMO_DISABLE": "1"}})
     yield
     ray.shutdown()
 
