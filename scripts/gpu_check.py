@@ -38,10 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.merge:
         merged = check.merge(args.merge)
-        meta = merged["meta"]
-        extra = {k: v for k, v in meta.items() if k not in ("date", "device", "commit")}
-        print(check.write_report(merged["results"], meta["device"], date=meta["date"], sha=meta["commit"],
-                                 extra=extra))
+        print(check.write_report(merged["results"], merged["meta"]["device"], meta=merged["meta"]))
         return 0 if all(r["ok"] for r in merged["results"]) else 1
     names = args.configs.split(",")
     unknown = sorted(set(names) - {c.name for c in check.CONFIGS})

@@ -163,16 +163,12 @@ def report_path(date: str, sha: str, device: str) -> str:
     return os.path.join(REPO, "benchmarks", "runs", date, name)
 
 
-def write_report(results: list[dict], device: str, path: str | None = None, *, date: str | None = None,
-                 sha: str | None = None, extra: dict | None = None) -> str:
-    """Writes the report; `date` and `sha` default to today and this tree's commit, and then the meta carries the
-    files' git tree too (`harness.tree`); a merge passes its reports' (`extra`: the rest of their meta)."""
-    date = date or datetime.date.today().isoformat()
-    if sha is None:
-        sha, extra = commit(), {"tree": tree(), **(extra or {})}
-    path = path or report_path(date, sha, device)
+def write_report(results: list[dict], device: str, path: str | None = None, *, meta: dict | None = None) -> str:
+    """Writes the report. `meta` defaults to this run's: today, `device`, this tree's commit and the files' git tree
+    (`harness.tree`); a merge passes its reports'."""
+    meta = meta or {"date": datetime.date.today().isoformat(), "device": device, "commit": commit(), "tree": tree()}
+    path = path or report_path(meta["date"], meta["commit"], device)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    meta = {"date": date, "device": device, "commit": sha, **(extra or {})}
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     return path

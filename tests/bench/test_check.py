@@ -90,7 +90,7 @@ def test_a_merged_report_keeps_the_commit_and_date_its_calls_ran_at(tmp_path):
         parts[-1].write_text(json.dumps({"meta": meta, "results": [row]}))
     merged = check.merge([str(p) for p in parts])
     out = check.write_report(merged["results"], merged["meta"]["device"], str(tmp_path / "m.json"),
-                             date=merged["meta"]["date"], sha=merged["meta"]["commit"])
+                             meta=merged["meta"])
     assert json.loads(open(out).read())["meta"] == meta
 
 
