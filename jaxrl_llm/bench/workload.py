@@ -25,10 +25,13 @@ SEED_RESPONSE_MAX = 1024
 
 
 def data_dir() -> str:
-    for d in (os.path.join(REPO, ".bench_data"), os.path.join(REPO, "..", "shared", "data")):
+    """The benchmarks' tokenizer and prompts: .bench_data/ (carried to a lent GPU), else JAXRL_SHARED_DATA (the
+    tests' setting), else ../shared/data/."""
+    shared = os.environ.get("JAXRL_SHARED_DATA", os.path.join(REPO, "..", "shared", "data"))
+    for d in (os.path.join(REPO, ".bench_data"), shared):
         if os.path.isdir(os.path.join(d, "qwen2_tokenizer")):
             return d
-    raise FileNotFoundError("no .bench_data/ or ../shared/data/ with qwen2_tokenizer")
+    raise FileNotFoundError(f"no .bench_data/ or {shared} with qwen2_tokenizer; set JAXRL_SHARED_DATA")
 
 
 @functools.cache
