@@ -21,7 +21,16 @@ def _cli(*args) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-def test_every_key_has_a_default_and_a_doc_and_list_keys_prints_them_all():
+def _main(capsys, *args) -> tuple[int, str]:
+    """What `_cli(*args)` runs (`python -m jaxrl_llm.train` is `sys.exit(main())`), in this process: main()'s exit
+    code and stdout. A CLI process spends seconds importing jax and the trainer's config before `--list_keys`
+    prints; `--help` below still goes through the real CLI process."""
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().out
+
+
+def test_every_key_has_a_default_and_a_doc_and_list_keys_prints_them_all(capsys):
     keys = all_keys()
     names = [k.name for k in keys]
     assert len(names) == len(set(names)) > 150
@@ -33,12 +42,12 @@ def test_every_key_has_a_default_and_a_doc_and_list_keys_prints_them_all():
     assert "rollout.multi_turn.max_assistant_turns" in names and "actor.policy_loss.loss_mode" in names
     undocumented = [k.name for k in keys if len(k.doc) < 8]
     assert not undocumented, f"keys without a doc (add a comment on the field): {undocumented}"
-    out = _cli("--list_keys")
-    assert out.returncode == 0, out.stderr[-2000:]
+    code, out = _main(capsys, "--list_keys")
+    assert code == 0
     for k in keys:
-        assert f"{k.name} = {k.default!r}  # {k.doc}" in out.stdout
-    assert "actor.lr = 1e-06  # learning rate" in out.stdout
-    only = _cli("--list_keys=save").stdout.strip().splitlines()
+        assert f"{k.name} = {k.default!r}  # {k.doc}" in out
+    assert "actor.lr = 1e-06  # learning rate" in out
+    only = _main(capsys, "--list_keys=save")[1].strip().splitlines()
     assert only == ["# train.*", "train.save_freq = 20  # a checkpoint every N steps and at the end (-1: only "
                                  "at the end)"]
 
