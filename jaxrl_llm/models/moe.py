@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import sharding
+from jaxrl_llm.models.layers import MLP, Linear
 from kernels.grouped_matmul import grouped_matmul
 
 
@@ -187,17 +188,27 @@ class Experts(nnx.Module):
 
 class SparseMoeBlock(nnx.Module):
     """Router plus experts: `__call__(x [B, T, D], valid [B, T], replay [B, T, k]) -> ([B, T, D],
-    router_stats, experts [B, T, k])`."""
+    router_stats, experts [B, T, k])`. Qwen3.5-MoE (`cfg.shared_expert_intermediate_size`) adds a shared
+    SwiGLU expert every token goes through, scaled by sigmoid(shared_expert_gate(x)) [B, T, 1]."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.gate = Router(cfg, rngs=rngs)
         self.experts = Experts(cfg, rngs=rngs)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.dtype = jnp.dtype(cfg.dtype)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, rngs=rngs, width=cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, use_bias=False, cfg=cfg, rngs=rngs,
+                                             name="shared_expert_gate")
+        else:
+            self.shared_expert = self.shared_expert_gate = None
 
     def __call__(self, x: jax.Array, valid: jax.Array | None = None, replay: jax.Array | None = None):
         ex = self.experts
-        y, stats, experts = moe_mlp(x.astype(self.dtype), valid, self.gate.kernel[...], ex.gate_proj[...],
+        x = x.astype(self.dtype)
+        y, stats, experts = moe_mlp(x, valid, self.gate.kernel[...], ex.gate_proj[...],
                                     ex.up_proj[...], ex.down_proj[...], top_k=self.top_k,
                                     norm_topk_prob=self.norm_topk_prob, expert_parallel=True, replay=replay)
+        if self.shared_expert is not None:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return sharding.constrain(y, ("batch", "length", "act_embed")), stats, experts
