@@ -45,14 +45,14 @@ def decay_and_beta(a: jax.Array, b: jax.Array, a_log: jax.Array, dt_bias: jax.Ar
     return g, jax.nn.sigmoid(b)
 
 
-def split_qkv(mixed: jax.Array, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
+def split_qkv(mixed: jax.Array, key_heads: int, value_heads: int, dk: int, dv: int):
     """The conv's output [..., E] -> q, k [..., Hk, Dk] (q L2-normalised and scaled, k L2-normalised, fp32)
     and v [..., Hv, Dv]."""
-    kd, dk, dv = cfg.linear_key_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kd = key_heads * dk
     lead = mixed.shape[:-1]
-    q = mixed[..., :kd].reshape(*lead, cfg.linear_num_key_heads, dk)
-    k = mixed[..., kd: 2 * kd].reshape(*lead, cfg.linear_num_key_heads, dk)
-    v = mixed[..., 2 * kd:].reshape(*lead, cfg.linear_num_value_heads, dv)
+    q = mixed[..., :kd].reshape(*lead, key_heads, dk)
+    k = mixed[..., kd: 2 * kd].reshape(*lead, key_heads, dk)
+    v = mixed[..., 2 * kd:].reshape(*lead, value_heads, dv)
     return l2norm(q) * (dk ** -0.5), l2norm(k), v
 
 
@@ -99,7 +99,8 @@ class GatedDeltaNet(nnx.Module):
         g, beta = decay_and_beta(self.in_proj_a(x), self.in_proj_b(x), self.A_log[...], self.dt_bias[...])
         mixed, _ = causal_conv1d(mixed, self.conv1d.kernel[...][:, 0, :].astype(self.dtype), resets=resets,
                                  valid=valid)
-        q, k, v = split_qkv(mixed, cfg)
+        q, k, v = split_qkv(mixed, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                            cfg.linear_value_head_dim)
         o, _ = gated_delta_rule(q, k, v, g, beta, resets=resets, valid=valid)  # [B, T, Hv, Dv] fp32
         o = gated_rms_norm(o.astype(self.dtype), z, self.norm.weight[...], cfg.rms_norm_eps)
         return self.out_proj(o.reshape(b, t, cfg.linear_value_dim))

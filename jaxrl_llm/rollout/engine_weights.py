@@ -36,6 +36,10 @@ def resolve_decode_attention(impl: str, supported: bool, why: str) -> str:
 class EngineWeights:
     """The engine's compute-dtype weights on its mesh, and the helpers every JAX engine uses."""
 
+    # The paged engine's option (Qwen3.5's recurrent state in its state slots); the dense engine serves no
+    # linear-attention model.
+    linear_state_dtype = "float32"
+
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
                  max_prompt_length: int = 1024):
         self.cfg = cfg.replace(dtype=dtype, param_dtype=dtype, remat="none", attention_impl="xla")
@@ -140,8 +144,20 @@ class EngineWeights:
             pad_id=self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0,
             max_new_tokens=int(sampling.max_new_tokens), attention=attention,
             moe_top_k=self.cfg.num_experts_per_tok if self.cfg.is_moe else 0, norm_topk_prob=self.cfg.norm_topk_prob,
-            num_moe_layers=len(self.cfg.layer_stacks["layers"]) if self.cfg.is_moe else 0,
-            record_routing=bool(sampling.return_routed_experts) and self.cfg.is_moe)
+            num_moe_layers=len(self.cfg.sparse_layers),
+            record_routing=bool(sampling.return_routed_experts) and self.cfg.is_moe, **self._linear_spec())
+
+    def _linear_spec(self) -> dict:
+        """The DecodeSpec fields of Qwen3.5's hybrid layers (none for the other families)."""
+        c = self.cfg
+        if not c.is_hybrid:
+            return {}
+        return dict(rotary_dim=c.rotary_dim, hybrid=True,
+                    linear_layers=tuple(i for i in range(c.num_hidden_layers) if c.is_linear_layer(i)),
+                    linear_key_heads=c.linear_num_key_heads, linear_value_heads=c.linear_num_value_heads,
+                    linear_key_dim=c.linear_key_head_dim, linear_value_dim=c.linear_value_head_dim,
+                    conv_kernel=c.linear_conv_kernel_dim,
+                    state_dtype=self.linear_state_dtype)
 
     def _request_spec(self, prompts, sampling: SamplingParams, row_max=None) -> decode.DecodeSpec:
         """Checks a request before any work (one clear error per problem); returns its decode spec.

@@ -85,6 +85,8 @@ class JaxEngine(EngineMemory, EngineWeights):
       share_prompt_pages: the n samples of a prompt share its prompt's pages.
       warm_programs: build every program of the ladders before the first call: "auto" (on accelerators; on
         the CPU programs compile when first needed), True or False.
+      linear_state_dtype: the dtype of a Qwen3.5 linear layer's recurrent state in the engine's state slots
+        ("float32", as transformers keeps it; "bfloat16" halves what a decode step reads).
     """
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
@@ -92,7 +94,7 @@ class JaxEngine(EngineMemory, EngineWeights):
                  max_num_batched_tokens: int = 8192, page_size: int = 16, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, free_cache_engine: bool = True,
                  decode_attention: str = "auto", max_segment: int = 64, share_prompt_pages: bool = True,
-                 warm_programs: bool | str = "auto"):
+                 warm_programs: bool | str = "auto", linear_state_dtype: str = "float32"):
         _check(page_size >= 1 and page_size & (page_size - 1) == 0, "rollout.page_size",
                f"{page_size}: use a power of two (16 is vLLM's default)")
         _check(max_num_seqs >= 1, "rollout.max_num_seqs", f"{max_num_seqs}: need >= 1")
@@ -103,6 +105,9 @@ class JaxEngine(EngineMemory, EngineWeights):
                f"{kv_cache_memory_bytes}: need a positive byte count, or None to size from the fraction")
         _check(max_model_len is None or max_model_len >= 2, "rollout.max_model_len",
                f"{max_model_len}: need prompt + response tokens (>= 2), or None")
+        _check(linear_state_dtype in ("float32", "bfloat16"), "rollout.linear_state_dtype",
+               f"{linear_state_dtype!r}: use 'float32' or 'bfloat16'")
+        self.linear_state_dtype = linear_state_dtype
         from kernels.paged_attention import paged_attention_supported
 
         self.decode_attention = resolve_decode_attention(
@@ -177,14 +182,17 @@ class JaxEngine(EngineMemory, EngineWeights):
     def _decode(self, eparams, pool, packed, *, spec):
         return paged_decode.decode_packed(eparams, pool, packed, spec=spec, max_seg=self.max_segment)
 
-    def _alloc_fn(self, shard: Shard, num_pages: int, spec, pool_sharding: NamedSharding):
+    def _alloc_fn(self, shard: Shard, num_pages: int, spec, pool_sharding: NamedSharding, state_slots: int = 0):
         """The zeroed-pool program of one shard (compiled in milliseconds, kept in memory)."""
-        key = (shard.index, num_pages, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        key = (shard.index, num_pages, state_slots, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+               spec.linear_layers, spec.state_dtype)
         if key not in self._alloc_fns:
             dt = jnp.dtype(self.cfg.dtype)
-            fn = functools.partial(paged_decode.alloc_pool, num_pages, self.page_size, spec, dt)
+            fn = functools.partial(paged_decode.alloc_pool, num_pages, self.page_size, spec, dt, state_slots)
+            out = [(shard.replicated, shard.replicated) if i in spec.linear_layers else (pool_sharding, pool_sharding)
+                   for i in range(spec.num_layers)]
             with jax.set_mesh(shard.mesh):
-                self._alloc_fns[key] = jax.jit(fn, out_shardings=[(pool_sharding, pool_sharding)] * spec.num_layers)
+                self._alloc_fns[key] = jax.jit(fn, out_shardings=out)
         return self._alloc_fns[key]
 
     def _programs_for(self) -> Programs:
@@ -234,26 +242,26 @@ class JaxEngine(EngineMemory, EngineWeights):
         shard.programs[memo] = moved
         return moved
 
-    def _warm(self, spec, rows: int, num_pages: int) -> None:
+    def _warm(self, spec, rows: int, budget) -> None:
         """Builds every program this call's shards can reach (decode over each slot bucket up to the rows a
         shard may hold, the prefill and copy ladders) in parallel threads, before the pools are allocated (so
         XLA's autotuning has the device's memory); then loads them onto the other shards."""
         lad, base = self.ladders, self._base
-        top = slot_width(min(self.max_num_seqs, rows), self.max_num_seqs)  # the widest segment a shard runs
+        top = slot_width(min(lad.slot_cap, rows), lad.slot_cap)  # the widest segment a shard runs
+        num_pages = budget.num_pages
         if not self.warm_programs or (spec, top, num_pages, lad) in self._warmed:
             return
-        pool_shape = (spec.num_kv_heads, num_pages, self.page_size, spec.head_dim)
-        page = jax.ShapeDtypeStruct(pool_shape, jnp.dtype(self.cfg.dtype), sharding=base.pool_sharding(pool_shape))
-        pool = [(page, page) for _ in range(spec.num_layers)]
+        pool = self.abstract_pool(spec, num_pages, budget.state_slots, base)
         params = base.params
         shapes = [("_decode", (params, pool, np.zeros((s, lad.width + paged_decode.DECODE_COLS), np.int32)),
-                   {"spec": spec}) for s in slot_ladder(self.max_num_seqs) if s <= top]
+                   {"spec": spec}) for s in slot_ladder(lad.slot_cap) if s <= top]
         for fresh, lengths in ((True, lad.fresh_lengths(lad.max_prompt)), (False, lad.cont_lengths)):
             for length in lengths:
                 for b in lad.row_options(length, fresh):
-                    packed = np.zeros((b, length + lad.table_width(length, fresh) + 2), np.int32)
+                    packed = np.zeros((b, length + lad.table_width(length, fresh) + paged_decode.PREFILL_COLS),
+                                      np.int32)
                     shapes.append(("_prefill", (params, pool, packed), {"spec": spec, "length": length}))
-        shapes.append(("_copy", (pool, np.zeros((2, lad.copy_slots), np.int32)), {}))
+        shapes.append(("_copy", (pool, np.zeros((4, lad.copy_slots), np.int32)), {}))
         programs = self._programs_for()
         items = [(name, getattr(type(self), name), self, self._abstract(args, base.mesh), static)
                  for name, args, static in shapes]
@@ -310,11 +318,13 @@ class JaxEngine(EngineMemory, EngineWeights):
         self._fix_width(longest)
         with jax.set_mesh(self.mesh):
             budget = self._pool_budget(rows, longest)
+        if budget.slot_cap and budget.slot_cap != self.ladders.slot_cap:  # state slots bound the rows decoded at once
+            self.ladders = dataclasses.replace(self.ladders, slot_cap=budget.slot_cap)
         self._check_fits(budget, longest, prompt_len, max_new)
-        self._warm(spec, rows, budget.num_pages)
+        self._warm(spec, rows, budget)
         for s in self.local_shards:
             if s.pool is None:
-                s.alloc(budget.num_pages, spec)
+                s.alloc(budget.num_pages, spec, budget.state_slots)
         return budget
 
     def run_shards(self, dealer: Dealer, spec, hooks=None) -> list[dict]:
@@ -356,7 +366,7 @@ class JaxEngine(EngineMemory, EngineWeights):
     def _stats(self, shard_stats: list[dict], budget, dealer: Dealer, before: dict, seconds: float,
                store: RowStore) -> dict:
         sums = ("segments", "decode_steps", "row_steps", "prefill_calls", "preemptions", "admitted",
-                "prefill_tokens", "shared_pages", "copies")
+                "prefill_tokens", "shared_pages", "copies", "state_copies")
         out = {k: sum(s[k] for s in shard_stats) for k in sums}
         after = self._programs_for().stats
         out.update(
@@ -365,6 +375,7 @@ class JaxEngine(EngineMemory, EngineWeights):
             shard_tokens=[s["tokens"] for s in shard_stats], plan_s=max((s["plan_s"] for s in shard_stats), default=0),
             stolen=dealer.stolen, num_pages=budget.num_pages, page_size=self.page_size,
             kv_bytes=budget.num_pages * budget.page_bytes, budget_source=budget.source,
+            state_slots=budget.state_slots, slot_cap=self.ladders.slot_cap,
             workspace_bytes=budget.workspace, table_width=self.ladders.width, seconds=seconds,
             tokens=int(store.lengths.sum()),
             programs_compiled=after["compiled"] - before.get("compiled", 0),
@@ -427,6 +438,10 @@ def _check(ok: bool, key: str, msg: str) -> None:
 def make_jax_engine(cfg: Qwen2Config, params, mesh: Mesh | None, *, rollout, max_prompt_length: int,
                     max_model_len: int | None = None):
     """The trainer's JAX engine from its `rollout.*` config: paged (the default) or dense."""
+    if rollout.kv_cache == "dense" and cfg.is_hybrid:
+        raise RolloutError(f"rollout.kv_cache = 'dense' does not serve {cfg.model_type} (Qwen3.5's linear-attention "
+                           "layers keep a recurrent state, which only the paged engine holds); use "
+                           "rollout.kv_cache = 'paged'")
     if rollout.kv_cache == "dense":
         from jaxrl_llm.rollout.dense_engine import DenseJaxEngine
 
@@ -437,4 +452,5 @@ def make_jax_engine(cfg: Qwen2Config, params, mesh: Mesh | None, *, rollout, max
                      max_num_batched_tokens=rollout.max_num_batched_tokens, page_size=rollout.page_size,
                      gpu_memory_utilization=rollout.gpu_memory_utilization,
                      kv_cache_memory_bytes=rollout.kv_cache_memory_bytes, free_cache_engine=rollout.free_cache_engine,
-                     decode_attention=rollout.decode_attention)
+                     decode_attention=rollout.decode_attention,
+                     linear_state_dtype=rollout.linear_state_dtype)
