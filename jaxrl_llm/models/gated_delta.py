@@ -33,7 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-CHUNK = 64
+CHUNK = 32  # FLA uses 64 on GPUs (the kernel picks its own); 32 runs the XLA form 5x faster on CPUs
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:

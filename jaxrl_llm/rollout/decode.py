@@ -64,6 +64,7 @@ class DecodeSpec:
     linear_value_dim: int = 0
     conv_kernel: int = 0
     state_dtype: str = "float32"  # the recurrent state's dtype in the engine's state slots
+    layer_slots: tuple[tuple[str, int], ...] = ()  # a MoE's (stack, index) of each layer: where its experts sit
 
     def inv_freq(self) -> jax.Array:
         """RoPE inverse frequencies [R/2], from the function the trainer's model uses too."""
@@ -104,9 +105,10 @@ def engine_layer(layer: dict, dtype) -> dict:
             out["qkv_b"] = cast(jnp.concatenate([a["q_proj"]["bias"], a["k_proj"]["bias"], a["v_proj"]["bias"]], -1))
         if "q_norm" in a:
             out["q_norm"], out["k_norm"] = cast(a["q_norm"]["weight"]), cast(a["k_norm"]["weight"])
-    if "experts" in m:
+    if "gate" in m:  # a sparse layer (its experts may be read in place from the stack instead: `layer_params`)
         out["router_w"] = cast(m["gate"]["kernel"])
-        out.update({f"expert_{k}_w": cast(m["experts"][f"{k}_proj"]) for k in ("gate", "up", "down")})
+        if "experts" in m:
+            out.update({f"expert_{k}_w": cast(m["experts"][f"{k}_proj"]) for k in ("gate", "up", "down")})
         if "shared_expert" in m:
             sh = m["shared_expert"]
             out["shared_gate_up_w"] = cast(jnp.concatenate([sh["gate_proj"]["kernel"], sh["up_proj"]["kernel"]], -1))
@@ -172,7 +174,8 @@ def _layer(lp: dict, x, cos, sin, attend, spec: DecodeSpec, recur=None):
     y = rms_norm(x, lp["ln2"], spec.rms_norm_eps, offset=spec.hybrid)
     if "router_w" in lp:  # a sparse layer: grouped matmuls over the routed experts (models/moe.py)
         out, _, experts = moe_mlp(y, None, lp["router_w"], lp["expert_gate_w"], lp["expert_up_w"],
-                                  lp["expert_down_w"], top_k=spec.moe_top_k, norm_topk_prob=spec.norm_topk_prob)
+                                  lp["expert_down_w"], top_k=spec.moe_top_k, norm_topk_prob=spec.norm_topk_prob,
+                                  layer=lp.get("expert_layer"))
         if "shared_gate_up_w" in lp:
             sg, su = jnp.split(jnp.dot(y, lp["shared_gate_up_w"]), 2, axis=-1)
             out = out + jax.nn.sigmoid(jnp.dot(y, lp["shared_gate_w"])) * jnp.dot(jax.nn.silu(sg) * su,
@@ -181,6 +184,18 @@ def _layer(lp: dict, x, cos, sin, attend, spec: DecodeSpec, recur=None):
     gate, up = jnp.split(jnp.dot(y, lp["gate_up_w"]), 2, axis=-1)  # [B, T, F] each
     x = x + jnp.dot(jax.nn.silu(gate) * up, lp["down_w"])
     return x, aux, None
+
+
+def layer_params(eparams: dict, i: int, spec: DecodeSpec) -> dict:
+    """Layer i's engine weights. A sparse layer whose experts the engine reads in place (`eparams["experts"]`, see
+    rollout/engine_weights.py) gets its stack's [L, E, ...] arrays and its index in them (a static int)."""
+    lp = eparams["layers"][i]
+    if "experts" not in eparams or "router_w" not in lp or "expert_gate_w" in lp:
+        return lp
+    stack, j = spec.layer_slots[i]
+    ex = eparams["experts"][stack]
+    return {**lp, "expert_gate_w": ex["gate_proj"], "expert_up_w": ex["up_proj"], "expert_down_w": ex["down_proj"],
+            "expert_layer": j}
 
 
 def split_mixed(mixed: jax.Array, spec: DecodeSpec):
@@ -231,7 +246,8 @@ def prefill_into(eparams, caches, ids, mask, row0, prompt_slots, *, spec: Decode
     x = jnp.take(eparams["embed"], ids, axis=0)
     at = (row0, 0, prompt_slots - ps, 0)
     new, experts = [], []
-    for lp, (kc, vc) in zip(eparams["layers"], caches):
+    for i, (kc, vc) in enumerate(caches):
+        lp = layer_params(eparams, i, spec)
 
         def attend(q, k, v, kc=kc, vc=vc):
             out = dot_product_attention(q, k, v, mask=attn_mask, lengths=None, impl="xla")
@@ -354,7 +370,8 @@ def decode_segment(eparams, state, caches, prompt_start, prompt_slots, t_end, *,
         ends = jnp.where(st["done"], prompt_start, slot + 1)  # [R]
         x = jnp.take(eparams["embed"], tok_in[:, None], axis=0)  # [R, 1, D]
         new_cs, experts = [], []
-        for lp, (kc, vc) in zip(eparams["layers"], cs):
+        for i, (kc, vc) in enumerate(cs):
+            lp = layer_params(eparams, i, spec)
 
             def attend(q, k, v, kc=kc, vc=vc):
                 at = (0, 0, slot, 0)

@@ -33,7 +33,15 @@ from jaxrl_llm import sharding
 from jaxrl_llm.models.gated_delta import causal_conv1d, gated_delta_rule, recurrent_gated_delta_rule
 from jaxrl_llm.models.qwen2 import _MASK_VALUE
 from jaxrl_llm.models.rope import rope_cos_sin
-from jaxrl_llm.rollout.decode import DecodeSpec, _final_logits, _is_stop, _layer, split_mixed, stack_routing
+from jaxrl_llm.rollout.decode import (
+    DecodeSpec,
+    _final_logits,
+    _is_stop,
+    _layer,
+    layer_params,
+    split_mixed,
+    stack_routing,
+)
 from jaxrl_llm.rollout.sampling import sample_next, token_logprobs
 
 # [K, P, ps, H]: kv heads over "tensor", pages over the data-parallel axes (each shard owns a page range;
@@ -170,7 +178,8 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, slot=None,
     cos, sin = rope_cos_sin(positions, spec.inv_freq())
     x = jnp.take(eparams["embed"], ids, axis=0)
     new, experts = [], []
-    for lp, (kp, vp) in zip(eparams["layers"], pool):
+    for i, (kp, vp) in enumerate(pool):
+        lp = layer_params(eparams, i, spec)
 
         def attend(q, k, v, kp=kp, vp=vp):
             def local(q, k, v, kp, vp, tables, page, off, mask):
@@ -247,7 +256,8 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
         mask = (key_pos[None, None, :] <= p[:, None, None]) & act[:, None, None]  # [S, 1, W ps]
         x = jnp.take(eparams["embed"], st["last"][:, None], axis=0)  # [S, 1, D]
         new, experts = [], []
-        for lp, (kp, vp) in zip(eparams["layers"], pl):
+        for i, (kp, vp) in enumerate(pl):
+            lp = layer_params(eparams, i, spec)
 
             def attend(q, k, v, kp=kp, vp=vp):
                 def local(q, k, v, kp, vp, tables, page, off, mask, lengths):

@@ -103,3 +103,24 @@ def test_the_dense_engine_refuses_a_linear_attention_model(hf_and_model):
     with pytest.raises(RolloutError, match="rollout.kv_cache = 'paged'"):
         jax_engine.make_jax_engine(model.cfg, split_model(model)[1], None, rollout=RolloutConfig(kv_cache="dense"),
                                    max_prompt_length=32)
+
+
+def test_a_frozen_bases_experts_are_read_in_place(hf_and_model, monkeypatch):
+    """Experts already in the engine's dtype and layout are not copied: the engine holds the caller's [L, E, ...]
+    arrays and its programs index the layer in them, with the tokens of an engine that copies them."""
+    _, model = hf_and_model
+    if not model.cfg.is_moe:
+        pytest.skip("a dense model has no experts")
+    params = split_model(model)[1]
+    engine = JaxEngine(model.cfg, params, dtype="float32", page_size=4)
+    pointer = lambda a: a.addressable_shards[0].data.unsafe_buffer_pointer()
+    for stack in ("layers", "linear_layers"):
+        held, given = engine.params["experts"][stack]["gate_proj"], params["model"][stack]["mlp"]["experts"]["gate_proj"]
+        assert pointer(held) == pointer(given)  # the same device buffer
+    assert all("expert_gate_w" not in lp for lp in engine.params["layers"])
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=1)
+    shared = engine.generate(PROMPTS, sp)
+    monkeypatch.setattr(JaxEngine, "shared_experts", lambda self, p: {})
+    copied = JaxEngine(model.cfg, params, dtype="float32", page_size=4)
+    assert "experts" not in copied.params
+    np.testing.assert_array_equal(copied.generate(PROMPTS, sp).tokens, shared.tokens)
