@@ -115,8 +115,8 @@ def test_a_frozen_bases_experts_are_read_in_place(hf_and_model, monkeypatch):
     engine = JaxEngine(model.cfg, params, dtype="float32", page_size=4)
     pointer = lambda a: a.addressable_shards[0].data.unsafe_buffer_pointer()
     for stack in ("layers", "linear_layers"):
-        held, given = engine.params["experts"][stack]["gate_proj"], params["model"][stack]["mlp"]["experts"]["gate_proj"]
-        assert pointer(held) == pointer(given)  # the same device buffer
+        held = engine.params["experts"][stack]["gate_proj"]
+        assert pointer(held) == pointer(params["model"][stack]["mlp"]["experts"]["gate_proj"])  # the same buffer
     assert all("expert_gate_w" not in lp for lp in engine.params["layers"])
     sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=1)
     shared = engine.generate(PROMPTS, sp)
