@@ -85,8 +85,9 @@ class JaxEngine(EngineMemory, EngineWeights):
       share_prompt_pages: the n samples of a prompt share its prompt's pages.
       warm_programs: build every program of the ladders before the first call: "auto" (on accelerators; on
         the CPU programs compile when first needed), True or False.
-      linear_state_dtype: the dtype of a Qwen3.5 linear layer's recurrent state in the engine's state slots
-        ("float32", as transformers keeps it; "bfloat16" halves what a decode step reads).
+      linear_state_dtype: the dtype of a Qwen3.5 linear layer's recurrent state in the engine's state slots:
+        "auto" (the engine's `dtype`), "float32" (as transformers keeps it) or "bfloat16" (half what a decode
+        step reads and writes).
     """
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
@@ -94,7 +95,7 @@ class JaxEngine(EngineMemory, EngineWeights):
                  max_num_batched_tokens: int = 8192, page_size: int = 16, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, free_cache_engine: bool = True,
                  decode_attention: str = "auto", max_segment: int = 64, share_prompt_pages: bool = True,
-                 warm_programs: bool | str = "auto", linear_state_dtype: str = "float32"):
+                 warm_programs: bool | str = "auto", linear_state_dtype: str = "auto"):
         _check(page_size >= 1 and page_size & (page_size - 1) == 0, "rollout.page_size",
                f"{page_size}: use a power of two (16 is vLLM's default)")
         _check(max_num_seqs >= 1, "rollout.max_num_seqs", f"{max_num_seqs}: need >= 1")
@@ -105,9 +106,9 @@ class JaxEngine(EngineMemory, EngineWeights):
                f"{kv_cache_memory_bytes}: need a positive byte count, or None to size from the fraction")
         _check(max_model_len is None or max_model_len >= 2, "rollout.max_model_len",
                f"{max_model_len}: need prompt + response tokens (>= 2), or None")
-        _check(linear_state_dtype in ("float32", "bfloat16"), "rollout.linear_state_dtype",
-               f"{linear_state_dtype!r}: use 'float32' or 'bfloat16'")
-        self.linear_state_dtype = linear_state_dtype
+        _check(linear_state_dtype in ("auto", "float32", "bfloat16"), "rollout.linear_state_dtype",
+               f"{linear_state_dtype!r}: use 'auto', 'float32' or 'bfloat16'")
+        self.linear_state_dtype = dtype if linear_state_dtype == "auto" else linear_state_dtype
         from kernels.paged_attention import paged_attention_supported
 
         self.decode_attention = resolve_decode_attention(

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as Pspec
 
 from jaxrl_llm import sharding
-from jaxrl_llm.models.gated_delta import causal_conv1d, gated_delta_rule, recurrent_gated_delta_rule
+from jaxrl_llm.models.gated_delta import causal_conv1d, gated_delta_rule
 from jaxrl_llm.models.qwen2 import _MASK_VALUE
 from jaxrl_llm.models.rope import rope_cos_sin
 from jaxrl_llm.rollout.decode import (
@@ -209,6 +209,19 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, slot=None,
     return new, (stack_routing(experts) if spec.record_routing else None)
 
 
+def _decode_step(rec, slot, q, k, v, g, beta):
+    """kernels/gdn_decode.py's in-place step of the rows' recurrent states; on a shard of several devices (the
+    states are whole on each) every device runs it on its own copy."""
+    from kernels.gdn_decode import gdn_decode_step  # the repo's kernels/
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return gdn_decode_step(rec, slot, q, k, v, g, beta)
+    whole = Pspec()
+    return jax.shard_map(gdn_decode_step, mesh=mesh, in_specs=(whole,) * 7, out_specs=(whole, whole),
+                         check_vma=False)(rec, slot, q, k, v, g, beta)
+
+
 def _sample_rows(logits, row_keys, t, spec: DecodeSpec):
     """One token per row; row r draws from fold_in(row_keys[r], t[r]) (the dense sampler's stream)."""
     keys = jax.vmap(jax.random.fold_in)(row_keys, t)
@@ -276,9 +289,9 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
             def recur(mixed, g, beta, conv_w, conv=kp, rec=vp):
                 slot = jnp.where(act, slots, 0)  # a finished row's step writes the scratch slot
                 mixed, conv1 = causal_conv1d(mixed, conv_w, initial=conv[slot].astype(mixed.dtype))
-                q, k, v = split_mixed(mixed, spec)
-                o, rec1 = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=rec[slot].astype(jnp.float32))
-                return o, (conv.at[slot].set(conv1.astype(conv.dtype)), rec.at[slot].set(rec1.astype(rec.dtype)))
+                q, k, v = split_mixed(mixed, spec)  # [S, 1, heads, dim]
+                o, rec = _decode_step(rec, slot, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+                return o[:, None], (conv.at[slot].set(conv1.astype(conv.dtype)), rec)
 
             x, kv, ex = _layer(lp, x, cos, sin, attend, spec, recur)
             new.append(kv)
