@@ -40,3 +40,16 @@ def test_the_reference_is_one_step_of_the_recurrent_form():
                                         initial_state=state[slots])
     np.testing.assert_allclose(np.asarray(o), np.asarray(ro[:, 0]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(new[slots]), np.asarray(rs), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)])
+def test_compiled_kernel_at_qwen35_9b_shapes(dtype, tol):
+    """256 rows of Qwen3.5-9B's linear layer (16 key, 32 value heads of 128) in 300 slots, compiled by Triton."""
+    state, slots, q, k, v, g, beta = _inputs(rows=256, slots=300, hk=16, hv=32, dk=128, dv=128, dtype=dtype)
+    ref_o, ref_state = jax.jit(gdn_decode_step_reference)(state, slots, q, k, v, g, beta)
+    o, new = jax.jit(lambda *a: gdn_decode_step(*a, impl="pallas"))(state, slots, q, k, v, g, beta)
+    rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
+                             / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
+    assert rel(o, ref_o) < tol and rel(new, ref_state) < tol
