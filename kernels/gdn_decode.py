@@ -5,13 +5,15 @@ a row in bf16, beside 18 GB of weights for the whole batch. XLA's gather of the 
 scatter back move each state three or four times; the step only needs to read it once and write it once.
 
 **What.** `gdn_decode_step(state, slots, q, k, v, g, beta)` advances every row's state by one token and returns
-the token's output: for row r, head h, with S = state[slots[r], h] [Dk, Dv]:
+the token's output and the rows' new states: for row r, head h, with S = state[slots[r], h] [Dk, Dv]:
 
     S  = exp(g) S;   S += k (beta (v - S^T k))^T;   o = S^T q
 
-The state pool is an input aliased to the output: each program reads its row's slot, updates it in registers in
-fp32 and writes it back where it was, so nothing else of the pool moves. Rows with slot 0 (finished or padding
-rows) all read and write the scratch slot; their outputs are garbage the caller discards.
+Each program reads its row's slot straight from the pool (no gathered copy), updates it in registers in fp32 and
+writes the row's new state [S, Hv, Dk, Dv]; the caller scatters those back into the slots (in place, in the
+decode loop). Aliasing the pool itself to the kernel's output would save that write, but in a while loop XLA
+copied the whole pool for it (24 GB a layer set at Qwen3.5-9B's state slots, out of memory on an H100). Rows
+with slot 0 (finished or padding rows) read the scratch slot; their outputs are garbage the caller discards.
 
 Pallas with the Triton lowering on GPU; interpret mode elsewhere (tests). Grid (row, value head, Dv block): a
 program loads its row's slot from `slots` (the Triton backend has no scalar prefetch), the key head's q and k
@@ -37,7 +39,7 @@ def supported(dk: int, dv: int) -> bool:
 
 
 def gdn_decode_step_reference(state, slots, q, k, v, g, beta):
-    """The same step in jnp (gather, update, scatter). Args and returns as `gdn_decode_step`."""
+    """The same step in jnp (gather, update). Args and returns as `gdn_decode_step`."""
     rep = v.shape[1] // q.shape[1]
     s = state[slots].astype(jnp.float32)  # [S, Hv, Dk, Dv]
     qf, kf = (jnp.repeat(x.astype(jnp.float32), rep, axis=1) for x in (q, k))  # [S, Hv, Dk]
@@ -45,13 +47,12 @@ def gdn_decode_step_reference(state, slots, q, k, v, g, beta):
     kv = jnp.einsum("shkv,shk->shv", s, kf)
     s = s + jnp.einsum("shk,shv->shkv", kf, (v.astype(jnp.float32) - kv) * beta.astype(jnp.float32)[..., None])
     o = jnp.einsum("shkv,shk->shv", s, qf)
-    return o, state.at[slots].set(s.astype(state.dtype))
+    return o, s.astype(state.dtype)
 
 
-def _kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, out_state_ref, *, rep, block_v):
+def _kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, rows_ref, *, rep, block_v):
     """One (row, value head, Dv block). slots_ref [S]; q_ref, k_ref [S, Hk, Dk]; v_ref, o_ref [S, Hv, Dv]; g_ref,
-    beta_ref [S, Hv]; state_ref, out_state_ref [Ns, Hv, Dk, Dv] (the same buffer)."""
-    del state_ref  # aliased to out_state_ref, which is read and written in place
+    beta_ref [S, Hv]; state_ref [Ns, Hv, Dk, Dv]; rows_ref [S, Hv, Dk, Dv]."""
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[r]
     kh = h // rep
@@ -61,11 +62,11 @@ def _kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, o
     v = pltriton.load(v_ref.at[r, h, cols]).astype(jnp.float32)  # [bv]
     decay = jnp.exp(g_ref[r, h].astype(jnp.float32))
     beta = beta_ref[r, h].astype(jnp.float32)
-    s = pltriton.load(out_state_ref.at[slot, h, :, cols]).astype(jnp.float32) * decay  # [Dk, bv]
+    s = pltriton.load(state_ref.at[slot, h, :, cols]).astype(jnp.float32) * decay  # [Dk, bv]
     kv = jnp.sum(s * k[:, None], axis=0)  # [bv]
     s = s + k[:, None] * ((v - kv) * beta)[None, :]
     o = jnp.sum(s * q[:, None], axis=0)
-    pltriton.store(out_state_ref.at[slot, h, :, cols], s.astype(out_state_ref.dtype))
+    pltriton.store(rows_ref.at[r, h, :, cols], s.astype(rows_ref.dtype))
     pltriton.store(o_ref.at[r, h, cols], o)
 
 
@@ -77,33 +78,32 @@ def _step(state, slots, q, k, v, g, beta, *, interpret: bool):
     kernel = functools.partial(_kernel, rep=hv // q.shape[1], block_v=block_v)
     full = lambda x: pl.BlockSpec(block_shape=x.shape, index_map=lambda *_: (0,) * x.ndim)
     args = (slots.astype(jnp.int32), q, k, v, g, beta, state)
-    o, state = pl.pallas_call(
+    new = jax.ShapeDtypeStruct((rows, hv, dk, dv), state.dtype)
+    return pl.pallas_call(
         kernel,
         grid=(rows, hv, dv // block_v),
         in_specs=[full(x) for x in args],
-        out_specs=[full(v), full(state)],
-        out_shape=[jax.ShapeDtypeStruct((rows, hv, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        input_output_aliases={6: 1},
+        out_specs=[full(v), full(new)],
+        out_shape=[jax.ShapeDtypeStruct((rows, hv, dv), jnp.float32), new],
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="gdn_decode_step",
     )(*args)
-    return o, state
 
 
 def gdn_decode_step(state, slots, q, k, v, g, beta, *, impl: str = "auto"):
     """One decode step of the gated delta rule for each row, in its state slot.
 
     Args:
-      state: [Ns, Hv, Dk, Dv] the state slots (fp32 or bf16; the kernel writes the new slots into its buffer
-        where the caller gives it up, as a decode program carrying it does).
+      state: [Ns, Hv, Dk, Dv] the state slots (fp32 or bf16), read, not written.
       slots: [S] int32 each row's slot (0: the scratch slot).
       q, k: [S, Hk, Dk] (L2-normalised; q scaled by Dk^-0.5); v: [S, Hv, Dv]; g, beta: [S, Hv] (log decay and
         write strength).
       impl: 'pallas' (the kernel; interpreted off the GPU), 'xla' (`gdn_decode_step_reference`), or 'auto': the
         kernel on a GPU where `supported(Dk, Dv)`.
     Returns:
-      o [S, Hv, Dv] fp32, and the state slots.
+      o [S, Hv, Dv] fp32, and the rows' new states [S, Hv, Dk, Dv] in the slots' dtype (for
+      `state.at[slots].set(...)`).
     """
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"gdn_decode_step impl={impl!r}: use 'auto', 'pallas' or 'xla'")

@@ -65,6 +65,18 @@ class EngineMemory:
         pages = max(0, int((total - slots * sb) // pb))
         return dataclasses.replace(want, num_pages=pages, state_slots=slots, slot_cap=cap)
 
+    def _layer_state_fp32(self) -> int:
+        """One row's recurrent state in one linear layer, in fp32 (how prefill computes it)."""
+        c = self.cfg
+        return c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+
+    def prefill_row_cap(self) -> int:
+        """Rows a prefill call takes at most (0: no cap): a Qwen3.5's rows each carry an fp32 recurrent state
+        through a linear layer's chunked form (a few copies of it), held within ATTN_BYTES."""
+        if not self.cfg.is_hybrid:
+            return 0
+        return max(1, ATTN_BYTES // (4 * self._layer_state_fp32()))
+
     def workspace_bytes(self, table_width: int) -> int:
         """The decode and prefill temporaries a device holds beside the pool (an estimate from shapes)."""
         c, itemsize = self.cfg, jnp.dtype(self.cfg.dtype).itemsize
@@ -74,8 +86,12 @@ class EngineMemory:
         if self.decode_attention == "xla":  # one layer's gathered pages and scores
             decode += s * table_width * self.page_size * (2 * kh * c.head_dim * itemsize + n * 4 * 2)
         t = self.max_num_batched_tokens
-        prefill = t * (3 * c.hidden_size + c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size) * itemsize
+        width = c.intermediate_size or c.moe_intermediate_size * c.num_experts_per_tok
+        prefill = t * (3 * c.hidden_size + c.q_dim + 2 * c.kv_dim + 3 * width) * itemsize
         prefill += 2 * ATTN_BYTES
+        if c.is_hybrid:  # a linear layer's rows' new states (decode), and its chunked form's states (prefill)
+            decode += 2 * s * self._layer_state_fp32() // 4 * jnp.dtype(self.linear_state_dtype).itemsize
+            prefill += ATTN_BYTES + t * c.linear_conv_dim * 4 * 4
         return int(max(decode, prefill) + (256 << 20))
 
     def _pool_budget(self, rows: int, longest: int) -> KvBudget:
@@ -149,7 +165,7 @@ class EngineMemory:
         model_len = self.max_model_len or self.max_prompt_length + 1
         lad = Ladders(width=pow2(pages_for(model_len, self.page_size)), page_size=self.page_size,
                       num_heads=self.cfg.num_attention_heads, max_batched_tokens=self.max_num_batched_tokens,
-                      max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs)
+                      max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs, max_rows=self.prefill_row_cap())
         spec = dataclasses.replace(self._spec(SamplingParams(), self.decode_attention), max_new_tokens=0)
         pool = self.abstract_pool(spec, pages_for(model_len, self.page_size) + 1, self.max_num_seqs + 2, base)
         fresh, cont = lad.fresh_lengths(self.max_prompt_length)[-1], lad.cont_lengths[-1]

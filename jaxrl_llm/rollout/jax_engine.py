@@ -411,7 +411,8 @@ class JaxEngine(EngineMemory, EngineWeights):
                          longest + 1, self.ladders.width, need)
             self.ladders = Ladders(width=need, page_size=self.page_size, num_heads=self.cfg.num_attention_heads,
                                    max_batched_tokens=self.max_num_batched_tokens,
-                                   max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs)
+                                   max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs,
+                                   max_rows=self.prefill_row_cap())
 
 
 def key_data(seed: int) -> np.ndarray:

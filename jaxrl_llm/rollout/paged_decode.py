@@ -210,8 +210,8 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, slot=None,
 
 
 def _decode_step(rec, slot, q, k, v, g, beta):
-    """kernels/gdn_decode.py's in-place step of the rows' recurrent states; on a shard of several devices (the
-    states are whole on each) every device runs it on its own copy."""
+    """kernels/gdn_decode.py's step of the rows' recurrent states, read from their slots: (outputs, new states);
+    on a shard of several devices (the states are whole on each) every device runs it on its own copy."""
     from kernels.gdn_decode import gdn_decode_step  # the repo's kernels/
 
     mesh = jax.sharding.get_abstract_mesh()
@@ -290,8 +290,8 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
                 slot = jnp.where(act, slots, 0)  # a finished row's step writes the scratch slot
                 mixed, conv1 = causal_conv1d(mixed, conv_w, initial=conv[slot].astype(mixed.dtype))
                 q, k, v = split_mixed(mixed, spec)  # [S, 1, heads, dim]
-                o, rec = _decode_step(rec, slot, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
-                return o[:, None], (conv.at[slot].set(conv1.astype(conv.dtype)), rec)
+                o, rows = _decode_step(rec, slot, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+                return o[:, None], (conv.at[slot].set(conv1.astype(conv.dtype)), rec.at[slot].set(rows))
 
             x, kv, ex = _layer(lp, x, cos, sin, attend, spec, recur)
             new.append(kv)
