@@ -12,8 +12,6 @@ import numpy as np
 
 from jaxrl_llm.rollout import RolloutBatch
 
-STOP = 1  # finish reasons as ints in a checkpoint
-
 
 def pack(arrays: dict[str, np.ndarray]) -> str:
     """Arrays as one base64 .npz string (a checkpoint's JSON meta holds it)."""
