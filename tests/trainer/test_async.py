@@ -179,3 +179,34 @@ def test_a_rollout_side_that_dies_stops_the_run_with_one_error(tmp_path, mode, m
     with pytest.raises(RolloutError, match=match):
         trainer.fit()
     assert trainer._stream is None and (trainer._rollouter is None or not trainer._rollouter.is_alive())
+
+
+def test_one_step_off_rollout_idle_ratio_is_measured_on_the_step_itself(tmp_path, monkeypatch):
+    """rollouter/idle_ratio is the rollout side's idle share of the step's own wall. Batch 2's generation (submitted
+    at step 1's sync point) outlasts step 1 by seconds, so the rollout side is busy for all of step 1 but its sync
+    point: idle under 0.3. (The old formula divided batch 1's generation time, which ran during step 0, by step
+    1's wall, and read step 1 as mostly idle.)"""
+    import time
+
+    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+
+    trainer = AsyncRLTrainer(runs.run_config(*ONE_STEP_OFF, "train.save_freq=-1", steps=3, run_dir=str(tmp_path)))
+    real, calls = trainer.engine.generate, []
+
+    def generate(*a, **k):
+        calls.append(1)
+        out = real(*a, **k)
+        if len(calls) == 3:  # batch 2, on the rollout thread during step 1
+            time.sleep(4.0)
+        return out
+
+    monkeypatch.setattr(trainer.engine, "generate", generate)
+    try:
+        rows = []
+        for k in range(3):
+            rows.append(trainer.step(k))
+            trainer.global_step = k + 1
+    finally:
+        trainer.close()
+    assert 0 <= rows[1]["rollouter/idle_ratio"] < 0.3, rows[1]
+    assert rows[2]["timing_s/wait_prev_gen"] > 1.0  # step 2 waited for batch 2: the rollout side was busy
