@@ -386,7 +386,9 @@ class RLTrainer:
         compiled = worker.call("compile_stats")  # a program compiled after the first step shows here
         metrics.update(compile_watch.delta(compiled_before, compiled))
         metrics["perf/engine_programs_compiled"] = compiled["engine_programs_compiled"]
-        return self._step_metrics(metrics, batch, timer, step)
+        # the epoch of the batch trained on (the iterator's is the next batch's: one epoch on at an epoch's end,
+        # and further on in the async modes, which draw ahead)
+        return self._step_metrics(metrics, batch, timer, step, epoch=getattr(prompts, "epoch", None))
 
     def _replay_step(self, step: int) -> dict[str, float]:
         """Trains on a dumped batch instead of generating one: same start state and same batches give
@@ -409,7 +411,7 @@ class RLTrainer:
             with timer("reshard"):
                 self.sync_weights(step + 1)
 
-    def _step_metrics(self, metrics, batch: TrainBatch, timer, step: int) -> dict[str, float]:
+    def _step_metrics(self, metrics, batch: TrainBatch, timer, step: int, epoch: int | None = None) -> dict[str, float]:
         run = self.run
         metrics.update(M.data_metrics(batch, max_response_length=run.data.max_response_length,
                                       max_prompt_length=run.data.max_prompt_length, use_critic=run.algo.uses_critic))
@@ -417,7 +419,7 @@ class RLTrainer:
         metrics.update(M.perf_metrics(timer.times, batch, self.model_cfg, ppo_epochs=run.actor.ppo_epochs,
                                       n_devices=self.n_devices, peak=self.peak))
         metrics["training/global_step"] = step + 1
-        metrics["training/epoch"] = self.iterator.epoch
+        metrics["training/epoch"] = self.iterator.epoch if epoch is None else epoch
         return metrics
 
     # ---- validation ------------------------------------------------------------------------------
