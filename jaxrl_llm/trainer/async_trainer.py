@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 
+from jaxrl_llm.data.iterator import PromptBatch
 from jaxrl_llm.rollout import RolloutError
 from jaxrl_llm.rollout.stream import GroupResult, RolloutStream
 from jaxrl_llm.trainer.async_state import (
@@ -268,7 +269,10 @@ class AsyncRLTrainer(RLTrainer):
         parts = []
         for _ in range(a.trigger_parameter_sync_step):
             groups, waited, dropped = self._take(a.require_batches * self.run.actor.ppo_mini_batch_size)
-            prompts = [g.meta["prompt"] for g in groups]
+            # the epoch of the (first) data batch these groups were drawn in: the rollouter draws batch b as the
+            # run's b-th, one draw a batch
+            prompts = PromptBatch([g.meta["prompt"] for g in groups],
+                                  groups[0].meta["batch"] // self.iterator.steps_per_epoch)
             sampled = batch_from_groups(groups, self.pad_id, self.engine.version)
             ro = Rollout(build_train_batch(prompts, sampled, self.run.data.max_response_length,
                                            self.run.data.max_prompt_length), response_items(prompts, sampled))
