@@ -79,6 +79,7 @@ class RLTrainer:
         self.operative_config = operative_config
         self.global_step = 0
         self.resumed_meta: dict | None = None
+        self.checkpoint_usage: dict[str, float] = {}  # of the checkpoints committed before the last save
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         self.worker.call("open_checkpointer", self.ckpt_dir, t.max_checkpoints_to_keep)
         try:
@@ -135,7 +136,9 @@ class RLTrainer:
         log.info("resumed from %s at step %d", directory, self.global_step)
 
     def save_checkpoint(self) -> None:
-        self.worker.call("save_checkpoint", self.global_step, self._meta())
+        """Starts the checkpoint of this step (written while the next steps run); keeps the disk usage of the
+        committed checkpoints (perf/checkpoint_*) for the step's metrics."""
+        self.checkpoint_usage = self.worker.call("save_checkpoint", self.global_step, self._meta()) or {}
 
     def _save_tokenizer(self) -> None:
         """Keeps the tokenizer beside the checkpoints, so exports are complete HF directories."""
@@ -471,7 +474,8 @@ class RLTrainer:
                 if (t.save_freq > 0 and self.global_step % t.save_freq == 0) or done:
                     t0 = time.perf_counter()
                     self.save_checkpoint()
-                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0
+                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0  # not the write: that is async
+                    metrics.update(self.checkpoint_usage)
                 metrics["timing_s/step_total"] = time.perf_counter() - step_start
                 self.logger.log(self.global_step, metrics)
                 last = metrics
