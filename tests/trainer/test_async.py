@@ -252,3 +252,36 @@ def test_fully_async_with_rollout_correction_weighs_the_stale_samples(tmp_path):
     assert rows[1]["fully_async/staleness/max"] == 0 and stale, {s: rows[s]["fully_async/staleness/max"] for s in rows}
     k3 = {s: rows[s]["rollout_corr/k3_kl"] for s in rows}
     assert k3[1] < 1e-8 and max(k3[s] for s in stale) > 1e-5, k3  # once an update has moved the weights
+
+
+def test_fully_async_stopped_and_resumed_trains_exactly_as_uninterrupted(tmp_path, monkeypatch):
+    """The trainer-level resume of fully_async: its checkpoint at a sync point carries the queued groups, the rows
+    in flight (their tokens so far) and the prompts drawn but not submitted. A run that dies in step 3, once the
+    checkpoint of step 2 has committed, resumes and trains steps 3 and 4 exactly as an uninterrupted run (on
+    policy: staleness 0, so which groups a step takes does not depend on timing)."""
+    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+
+    params = (*FULLY, "train.save_freq=1")
+
+    def trainer(name):
+        return AsyncRLTrainer(runs.run_config(*params, steps=4, run_dir=str(tmp_path / name)))
+
+    trainer("reference").fit()
+    step = AsyncRLTrainer.step
+
+    def dies_in_step_3(self, k):
+        if k == 2:
+            self.worker.call("wait_checkpoint")  # checkpoint 2 committed, as before a SIGKILL in step 3
+            raise RuntimeError("killed in step 3")
+        return step(self, k)
+
+    monkeypatch.setattr(AsyncRLTrainer, "step", dies_in_step_3)
+    with pytest.raises(RuntimeError, match="killed in step 3"):
+        trainer("killed").fit()
+    monkeypatch.setattr(AsyncRLTrainer, "step", step)
+    resumed = trainer("killed")
+    assert resumed.global_step == 2 and resumed._saved is not None
+    resumed.fit()
+    reference, got = (runs.by_step(runs.metrics(tmp_path / d)) for d in ("reference", "killed"))
+    assert sorted(got) == [1, 2, 3, 4]
+    _same(got, reference, [3, 4], rtol=0)
