@@ -81,10 +81,11 @@ class EngineMemory:
         prefill += 2 * ATTN_BYTES
         return int(max(decode, prefill) + (256 << 20))
 
-    def _pool_budget(self) -> KvBudget:
+    def _pool_budget(self, longest: int) -> KvBudget:
         """Each shard's pool (see the module docstring); every process builds the same. Without a budget: a page
         for every position of `max_num_seqs` rows of `max_model_len` tokens (the block tables' width when it is
-        None), and the scratch page."""
+        None), and the scratch page. `longest`: the call's longest row, for a linear-attention model's share of a
+        budget where max_model_len is None (its width grows with the rows then anyway)."""
         width = self.ladders.width
         model_len = self.max_model_len or width * self.page_size  # tokens a row holds at most
         unbounded = self.max_num_seqs * pages_for(model_len, self.page_size) + 1
@@ -93,7 +94,7 @@ class EngineMemory:
                          kv_cache_memory_bytes=self.kv_cache_memory_bytes, unbounded_pages=unbounded,
                          device=self._base.devices[0])
         if self.cfg.is_hybrid:
-            want = self._with_state_slots(want, model_len)
+            want = self._with_state_slots(want, self.max_model_len or longest + 1)
         if distributed.process_count() > 1:
             pages, slots, cap = (min(v) for v in zip(*distributed.allgather_objects(
                 (want.num_pages, want.state_slots, want.slot_cap))))

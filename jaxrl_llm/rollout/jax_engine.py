@@ -318,7 +318,7 @@ class JaxEngine(EngineMemory, EngineWeights):
         each local shard's pool allocated. Returns the pools' budget."""
         self._fix_width(longest)
         with jax.set_mesh(self.mesh):
-            budget = self._pool_budget()
+            budget = self._pool_budget(longest)
         if budget.slot_cap and budget.slot_cap != self.ladders.slot_cap:  # state slots bound the rows decoded at once
             self.ladders = dataclasses.replace(self.ladders, slot_cap=budget.slot_cap)
         self._check_fits(budget, longest, prompt_len, max_new)
