@@ -152,17 +152,6 @@ def num_adapter_params(cfg: DecoderConfig, spec: LoraSpec | None) -> int:
     return 0 if spec is None else sum(x.size for x in jax.tree.leaves(adapter_shapes(cfg, spec)))
 
 
-def adapted_kernel_params(cfg: DecoderConfig, spec: LoraSpec | None) -> int:
-    """How many params the kernels the adapters of `spec` sit on hold (what a sync's merge writes anew)."""
-    if spec is None:
-        return 0
-    shapes, total = adapter_shapes(cfg, spec), 0
-    for path in adapted_paths(shapes):
-        mod = get_path(shapes, path[:-1])
-        total += mod["lora_a"].size // spec.rank * mod["lora_b"].shape[-1]
-    return total
-
-
 def adapter_shardings(cfg: DecoderConfig, spec: LoraSpec, mesh: Mesh | None) -> dict:
     """lora_a takes its kernel's input-axis sharding, lora_b its output-axis one; the rank is replicated."""
     out: dict = {}

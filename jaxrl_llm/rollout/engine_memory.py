@@ -2,11 +2,14 @@
 the refusal of a request that cannot fit.
 
 A pool's size is decided once, at the first call (when the trainer's state is on the devices), and kept: its
-shape is in every program's key, so a size taken from the free memory of the moment would recompile them at
-a later call. It changes only when it must: an unbounded pool (no budget, no allocator statistics: the CPU)
-grows for a request that needs more, and a pool sized from `gpu_memory_utilization` shrinks when what the
-devices already hold has grown so much that it no longer fits (a recompile is better than running out of
-memory).
+shape is in every program's key, so a size taken from the free memory of the moment, or from a call's rows,
+would recompile them at a later call. Where there is no budget (no `kv_cache_memory_bytes`, no allocator
+statistics: the CPU) the pool holds what a shard can ever hold at once, `max_num_seqs` rows of
+`max_model_len` tokens, whatever the call. It changes only when it must: a pool sized from
+`gpu_memory_utilization` shrinks when what the devices already hold has grown so much that it no longer fits
+(a recompile is better than running out of memory), and, where `max_model_len` is None, the block tables'
+width (and so the unbudgeted pool) grows for a longer row. A linear-attention model (Qwen3.5) also takes state
+slots out of the same budget (`_with_state_slots`); without a budget, slots for `max_num_seqs` rows.
 """
 
 from __future__ import annotations
@@ -51,12 +54,12 @@ class EngineMemory:
                * jnp.dtype(self.linear_state_dtype).itemsize)
         return linear * (conv + rec)
 
-    def _with_state_slots(self, want: KvBudget, rows: int, model_len: int) -> KvBudget:
+    def _with_state_slots(self, want: KvBudget, model_len: int) -> KvBudget:
         """A linear-attention model's budget: the slot cap and state slots carved out of `want`'s pages (see the
         module docstring)."""
         sb, pb = self.state_bytes(), want.page_bytes
-        if want.source == "unbounded":  # no budget: slots for this call's rows, pages as for an attention model
-            cap = min(self.max_num_seqs, rows)
+        if want.source == "unbounded":  # no budget: slots for max_num_seqs rows (not a call's), pages as for attention
+            cap = self.max_num_seqs
             return dataclasses.replace(want, state_slots=cap + max(1, cap // 4) + 1, slot_cap=cap)
         total = want.num_pages * pb
         per_row = sb * 1.25 + pages_for(max(1, model_len // 2), self.page_size) * pb
@@ -94,16 +97,20 @@ class EngineMemory:
             prefill += ATTN_BYTES + t * c.linear_conv_dim * 4 * 4
         return int(max(decode, prefill) + (256 << 20))
 
-    def _pool_budget(self, rows: int, longest: int) -> KvBudget:
-        """Each shard's pool (see the module docstring); every process builds the same."""
+    def _pool_budget(self, longest: int) -> KvBudget:
+        """Each shard's pool (see the module docstring); every process builds the same. Without a budget: a page
+        for every position of `max_num_seqs` rows of `max_model_len` tokens (the block tables' width when it is
+        None), and the scratch page. `longest`: the call's longest row, for a linear-attention model's share of a
+        budget where max_model_len is None (its width grows with the rows then anyway)."""
         width = self.ladders.width
-        unbounded = min(rows, self.max_num_seqs) * pages_for(longest, self.page_size) + 1
+        model_len = self.max_model_len or width * self.page_size  # tokens a row holds at most
+        unbounded = self.max_num_seqs * pages_for(model_len, self.page_size) + 1
         want = size_pool(page_bytes=self.page_bytes(), workspace=self.workspace_bytes(width),
                          gpu_memory_utilization=self.gpu_memory_utilization,
                          kv_cache_memory_bytes=self.kv_cache_memory_bytes, unbounded_pages=unbounded,
                          device=self._base.devices[0])
         if self.cfg.is_hybrid:
-            want = self._with_state_slots(want, rows, self.max_model_len or longest + 1)
+            want = self._with_state_slots(want, self.max_model_len or longest + 1)
         if distributed.process_count() > 1:
             pages, slots, cap = (min(v) for v in zip(*distributed.allgather_objects(
                 (want.num_pages, want.state_slots, want.slot_cap))))

@@ -11,7 +11,8 @@ Per `generate` call:
   that another has not admitted yet; no shard waits for another's rows.
 * **Pool**: each shard's pages of `page_size` tokens, sized once from the budget (`gpu_memory_utilization` of
   the device's memory, counting what the trainer and the engine's weights already hold, or an explicit
-  `kv_cache_memory_bytes`) and kept at that size across calls (released after each call when
+  `kv_cache_memory_bytes`; without either, on the CPU, `max_num_seqs` rows of `max_model_len` tokens, whatever
+  a call's rows) and kept at that size across calls (released after each call when
   `free_cache_engine`, so the update gets the memory back). A request whose longest row cannot fit a pool is
   refused before any work, with the keys to change.
 * **Scheduler** (rollout/scheduler.py): admission while pages and slots are free, refills as rows finish,
@@ -318,7 +319,7 @@ class JaxEngine(EngineMemory, EngineWeights):
         each local shard's pool allocated. Returns the pools' budget."""
         self._fix_width(longest)
         with jax.set_mesh(self.mesh):
-            budget = self._pool_budget(rows, longest)
+            budget = self._pool_budget(longest)
         if budget.slot_cap and budget.slot_cap != self.ladders.slot_cap:  # state slots bound the rows decoded at once
             self.ladders = dataclasses.replace(self.ladders, slot_cap=budget.slot_cap)
         self._check_fits(budget, longest, prompt_len, max_new)

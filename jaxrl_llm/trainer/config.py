@@ -327,8 +327,9 @@ class TrainerConfig:
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     driver: str = "ray"  # "ray" or "inprocess"
     ray_address: str | None = None  # a Ray cluster to join ('auto'); None: start one in this process
-    # Processes of the run. The Ray driver starts this many trainer processes (one Ray placement-group
-    # bundle each) joined by jax.distributed; plain launches set the count with --num_processes.
+    # Processes of the run (both sides of an async run together; veRL's trainer.nnodes is train.nnodes). The Ray
+    # driver starts this many trainer processes (one Ray placement-group bundle each) joined by jax.distributed;
+    # plain launches set the count with --num_processes.
     num_processes: int = 1
     devices_per_process: int | None = None  # GPUs (or simulated CPU devices) of each process; None: 1 GPU
     heartbeat_timeout_s: int = 60  # a dead process stops the others after this long
@@ -342,7 +343,7 @@ class TrainerConfig:
     # The training devices (veRL's trainer.n_gpus_per_node x trainer.nnodes): None, every device (sync) or every
     # device the rollout does not take (async_training); the mesh sizes above shape these
     n_gpus_per_node: int | None = None
-    nnodes: int = 1  # the trainer's nodes (train.n_gpus_per_node each)
+    nnodes: int = 1  # veRL's trainer.nnodes: the trainer's nodes (train.n_gpus_per_node each)
     ref_offload: bool = False  # keep the reference model in host memory between its passes
     # The bytes a device may hold, for the memory check before the first step (trainer/memory_check.py).
     # None: what XLA may use on the device (a CPU says nothing: no check there); set it to check on a CPU.
