@@ -15,8 +15,8 @@ for phase in ${PHASES:-kernels gen}; do
   case $phase in
     kernels)
       echo "=== kernels"
-      timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/kernels/test_gdn_decode.py \
-        tests/kernels/test_gated_delta.py > "$OUT/kernels.log" 2>&1
+      files=$(ls tests/kernels/test_gdn_decode.py tests/kernels/test_gated_delta.py 2>/dev/null)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu $files > "$OUT/kernels.log" 2>&1
       echo "rc=$?"; grep -E "passed|failed|Error|^E " "$OUT/kernels.log" | head -20 | cut -c1-300 ;;
     gen)
       for p in ${PRESETS:-qwen3_5_9b qwen2p5_7b}; do
@@ -37,3 +37,10 @@ for phase in ${PHASES:-kernels gen}; do
       run gated_delta "${T_GDN:-200}" python3 -m jaxrl_llm.bench --sections gated_delta --compile_cache "$CACHE" ;;
   esac
 done
+# diag (not in the default phases): the decode program's memory at the 9B's shapes, compiled, with XLA's buffer dump
+if [[ " ${PHASES:-} " == *" diag "* ]]; then
+  echo "=== diag"
+  XLA_FLAGS="--xla_dump_to=/tmp/xd" timeout 300 python3 benchmarks/diag/decode_memory.py ${DIAG_SLOTS:-256 1024} \
+    > "$OUT/diag.log" 2>&1
+  echo "rc=$?"; grep -vE "cuda_timer|^W1" "$OUT/diag.log" | tail -40 | cut -c1-200
+fi

@@ -199,8 +199,9 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, slot=None,
             q, k, v = split_mixed(mixed, spec)
             o, rec1 = gated_delta_rule(q, k, v, g, beta, initial_state=rec0, valid=real)
             conv1, rec1 = conv1.astype(conv.dtype), rec1.astype(rec.dtype)
-            conv = conv.at[slot].set(conv1).at[snap].set(conv1)
-            rec = rec.at[slot].set(rec1).at[snap].set(rec1)
+            # the next layer waits for the slots' update (see the decode step)
+            o, conv, rec = jax.lax.optimization_barrier(
+                (o, conv.at[slot].set(conv1).at[snap].set(conv1), rec.at[slot].set(rec1).at[snap].set(rec1)))
             return o, (conv, rec)
 
         x, kv, ex = _layer(lp, x, cos, sin, attend, spec, recur)
@@ -291,7 +292,11 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
                 mixed, conv1 = causal_conv1d(mixed, conv_w, initial=conv[slot].astype(mixed.dtype))
                 q, k, v = split_mixed(mixed, spec)  # [S, 1, heads, dim]
                 o, rows = _decode_step(rec, slot, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
-                return o[:, None], (conv.at[slot].set(conv1.astype(conv.dtype)), rec.at[slot].set(rows))
+                # The layer's output waits for its slots' update: else XLA may schedule every layer's scatter
+                # at the end of the step, each layer's new rows alive until then (24 GB at Qwen3.5-9B).
+                o, conv, rec = jax.lax.optimization_barrier(
+                    (o, conv.at[slot].set(conv1.astype(conv.dtype)), rec.at[slot].set(rows)))
+                return o[:, None], (conv, rec)
 
             x, kv, ex = _layer(lp, x, cos, sin, attend, spec, recur)
             new.append(kv)
