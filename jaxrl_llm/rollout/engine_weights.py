@@ -140,7 +140,7 @@ class EngineWeights:
             pad_id=self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0,
             max_new_tokens=int(sampling.max_new_tokens), attention=attention,
             moe_top_k=self.cfg.num_experts_per_tok if self.cfg.is_moe else 0, norm_topk_prob=self.cfg.norm_topk_prob,
-            num_moe_layers=len(self.cfg.sparse_layers),
+            num_moe_layers=len(self.cfg.layer_stacks["layers"]) if self.cfg.is_moe else 0,
             record_routing=bool(sampling.return_routed_experts) and self.cfg.is_moe)
 
     def _request_spec(self, prompts, sampling: SamplingParams, row_max=None) -> decode.DecodeSpec:
