@@ -26,23 +26,32 @@ class ModelConfig:
     """Where the policy comes from: a local HF dir / hub id (`path`), or a random preset (`preset`)."""
 
     path: str | None = None  # a local HF model directory, or a hub id (downloaded when online)
-    preset: str | None = None  # a random-init model by name ('tiny', 'qwen2p5_7b', ...: models/config.py PRESETS)
+    # a random-init model by name (models/config.py PRESETS): 'tiny', 'qwen2p5_7b', ...; Qwen3.5's 'qwen3_5_9b',
+    # 'qwen3_5_35b_a3b' (MoE), 'tiny_qwen35' and 'tiny_qwen35_moe'
+    preset: str | None = None
     tokenizer_path: str | None = None  # a HF tokenizer dir (default: model.path)
     dtype: str = "bfloat16"  # the compute dtype (and the export's default)
     param_dtype: str = "float32"  # the master weights' dtype
     remat: str = "auto"  # "auto": "dots" when the device has the memory for it, else "full"
     attention_impl: str = "auto"  # 'auto' (cuDNN flash attention on GPUs), 'cudnn' or 'xla'
     critic_path: str | None = None  # defaults to `path` (veRL initialises the critic from the actor)
-    overrides: dict | None = None  # Qwen2Config fields to change (e.g. a smaller vocab for a preset)
+    # DecoderConfig fields to change (e.g. a smaller vocab for a preset); a Qwen3.5's also layer_types (each
+    # 'linear_attention' or 'full_attention'), linear_num_key_heads / linear_num_value_heads,
+    # linear_key_head_dim / linear_value_head_dim, linear_conv_kernel_dim, partial_rotary_factor and (MoE)
+    # shared_expert_intermediate_size
+    overrides: dict | None = None
     seed: int = 0  # seed of a preset's random init (the critic's: seed + 1) and of fresh adapters
     # LoRA (veRL's names; rank 0: full fine-tuning) on target_modules ('all-linear' or names) less exclude_modules.
     lora_rank: int = 0
     lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank (PEFT's)
-    # None: 'all-linear' under LoRA; or names (q/k/v/o_proj, gate/up/down_proj)
+    # None: 'all-linear' under LoRA (the model's linear modules, as PEFT's); or names (q/k/v/o_proj,
+    # gate/up/down_proj; a Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; a Qwen3.5-MoE's
+    # shared_expert_gate)
     target_modules: str | tuple[str, ...] | None = None
     exclude_modules: tuple[str, ...] = ()  # module names to leave out of target_modules
     lora_adapter_path: str | None = None  # a PEFT adapter directory to start from
-    # LoRA's frozen base in 8 bits (our name; veRL has no QLoRA): 'none', 'int8' or 'fp8' (`models/quant.py`).
+    # LoRA's frozen base in 8 bits (our name; veRL has no QLoRA): 'none', 'int8' or 'fp8' (`models/quant.py`;
+    # not on a mixture of experts).
     base_quantization: str = "none"
 
     def validate(self):

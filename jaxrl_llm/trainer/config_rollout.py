@@ -17,7 +17,7 @@ from jaxrl_llm.trainer.config_check import check as _check
 class RolloutConfig:
     """veRL's `actor_rollout_ref.rollout.*`."""
 
-    engine: str = "jax"  # "jax" (in-process sampler) or "vllm" (a pool of Ray actors)
+    engine: str = "jax"  # "jax" (in-process sampler) or "vllm" (a pool of Ray actors; not for Qwen3.5)
     n: int = 1  # responses sampled a prompt (GRPO's group size)
     temperature: float = 1.0  # sampling temperature of the training rollouts
     top_p: float = 1.0  # nucleus sampling (1.0: off)

@@ -162,3 +162,19 @@ def test_readme_points_to_the_key_list():
     readme = open(os.path.join(runs.REPO, "README.md")).read()
     assert "python -m jaxrl_llm.train --list_keys" in readme
 
+
+
+def test_list_keys_documents_the_qwen35_presets_fields_and_lora_targets(capsys):
+    """Every Qwen3.5 preset is named in model.preset's doc, every field only a Qwen3.5 has in model.overrides', the
+    family's own LoRA targets in model.target_modules'; rollout.engine says the vLLM pool does not take it."""
+    from jaxrl_llm.models.config import PRESETS, DecoderConfig
+    from jaxrl_llm.models.lora import LINEAR_ATTENTION_MODULES
+
+    docs = {line.split(" = ")[0]: line for line in _main(capsys, "--list_keys=model")[1].splitlines()}
+    qwen35 = [name for name in PRESETS if PRESETS[name]().is_hybrid]
+    assert len(qwen35) == 4 and all(f"'{name}'" in docs["model.preset"] for name in qwen35)
+    fields = [f.name for f in dataclasses.fields(DecoderConfig) if f.name.startswith(("linear_", "layer_types"))]
+    assert all(name in docs["model.overrides"] for name in
+               (*fields, "partial_rotary_factor", "shared_expert_intermediate_size")), docs["model.overrides"]
+    assert all(name in docs["model.target_modules"] for name in (*LINEAR_ATTENTION_MODULES, "shared_expert_gate"))
+    assert "not for Qwen3.5" in _main(capsys, "--list_keys=rollout.engine")[1]
