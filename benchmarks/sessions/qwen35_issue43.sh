@@ -44,3 +44,8 @@ if [[ " ${PHASES:-} " == *" diag "* ]]; then
     > "$OUT/diag.log" 2>&1
   echo "rc=$?"; grep -vE "cuda_timer|^W1" "$OUT/diag.log" | tail -40 | cut -c1-200
 fi
+if [[ " ${PHASES:-} " == *" diaggen "* ]]; then
+  echo "=== diaggen"
+  timeout "${T_DIAG:-400}" python3 benchmarks/diag/gen_memory.py ${DIAG_CAPS:-256 1024} > "$OUT/diaggen.log" 2>&1
+  echo "rc=$?"; grep -vE "cuda_timer|^W1" "$OUT/diaggen.log" | tail -30 | cut -c1-250
+fi
