@@ -2,29 +2,33 @@
 
 `chunked_gated_delta_rule_kernel` computes what `jaxrl_llm.models.gated_delta.chunked_gated_delta_rule` does
 (same arguments, same outputs up to fp32 rounding); `models.gated_delta.gated_delta_rule` calls it on GPUs
-where `kernel_supported` says the shapes fit. The chunked form splits into two kinds of work:
+where `kernel_supported` says the shapes fit. The chunked form has two kinds of work:
 
-  * chunk-local terms, independent across chunks: the decays, the unit-lower-triangular system
-    (I + L) of the WY form and its solution for the chunk's values (u) and for how the carried state enters
-    them (w), the intra-chunk attention, and the masked queries and keys that read and write the state;
+  * chunk-local terms, independent across chunks: the decays, the unit-lower-triangular system (I + L) of the
+    WY form solved for the chunk's values (u) and for how the carried state enters them (w), the intra-chunk
+    attention, and the masked queries and keys that read and write the state;
   * the scan over chunks, the only sequential part: with S [Dk, Dv] the state carried into chunk n,
         v_new = u - w S,   o = q_in S + attn v_new,   S <- keep S + k_out^T v_new.
 
-The scan is a Pallas kernel (Triton lowering; Pallas' interpreter off GPU) with grid (batch, value head,
-Dv block): columns of S evolve independently, so Dv is cut in blocks of `block_v` to give the GPU more
-programs. A program keeps its [Dk, block_v] slice of S in fp32 through a `fori_loop` over the chunks, and
-writes the state at every chunk boundary ([N, Dk, Dv], the backward's residual). The backward is a second
-kernel, the same loop run from the last chunk to the first: it reloads each boundary state and recomputes
-v_new, carrying dS, and writes the gradients of every term (those summed over Dv as one partial per Dv
-block, added in jnp). The chunk-local terms are jnp, batched over chunks (`chunk_terms`, the reference's
-maths, with the key heads' Gram matrices computed once per key head, not once per value head); in the
-backward they are recomputed and differentiated by `jax.vjp`, so memory stays O(T C) a head.
+Forward, two Pallas kernels (Triton lowering on GPUs; Pallas' interpreter elsewhere):
+  1. `_wy_kernel`, one program a (batch, value head, chunk): L from the key head's Gram matrix, decays and
+     beta, then (I + L)^-1 exactly by forward substitution written as dots (`_unit_lower_inverse`: 16-row
+     blocks, then block substitution), then u and w;
+  2. `_scan_kernel`, one program a (batch, value head, Dv block): columns of S evolve independently, so Dv is
+     cut in blocks of `block_v` for more programs. The program keeps its [Dk, block_v] slice of S in fp32
+     through a `fori_loop` over chunks, forms each chunk's attn, q_in, k_out and keep from q, k and the decays,
+     and writes o; under differentiation it also writes the state at every chunk's start ([N, Dk, Dv]).
+q and k are read at key head h // (Hv / Hk) by the kernels' index maps: the grouped heads are not repeated.
 
-The `jax.custom_vjp` sits around the whole op (terms and scan): it saves the inputs and the boundary states,
-not the terms.
+Backward (a `jax.custom_vjp` around the whole op; residuals: the inputs and the chunk-start states): the
+chunk-local terms are recomputed in jnp (`chunk_terms`, the reference's maths batched over chunks, the Gram
+matrices once per key head) and differentiated by `jax.vjp`; between them `_scan_bwd_kernel` runs the scan
+from the last chunk to the first, carrying dS, reloading each chunk's start state to recompute v_new, and
+writing the terms' gradients (those that sum over Dv as one partial per Dv block, added in jnp). Memory stays
+O(T C) a head.
 
-Shapes: B batch, T time (Tp padded to a multiple of C), Hk key heads, Hv value heads (R = Hv / Hk),
-Dk key dim, Dv value dim, C chunk (64), N chunks, V Dv blocks.
+Shapes: B batch, T time (Tp padded to a multiple of C), Hk key heads, Hv value heads (R = Hv / Hk), Dk key
+dim, Dv value dim, C chunk (64), N chunks.
 """
 
 from __future__ import annotations
@@ -89,6 +93,53 @@ def kernel_supported(q, k, v, *, impl: str = "auto") -> bool:
     return why is None and (impl == "pallas" or jax.default_backend() == "gpu")
 
 
+# ---- (I + L)^-1 ------------------------------------------------------------------------------------
+def _unit_lower_inverse(lmat, mm, block: int = 16):
+    """(I + L)^-1 of strictly lower-triangular L [..., C, C], exactly: forward substitution written as matmuls
+    (`mm`), for the kernels (Triton has no triangular solve) and for the jnp terms alike.
+
+    A row-by-row substitution is C dependent steps. Instead: the inverse D of the block-diagonal part (blocks of
+    16), by substitution on all blocks at once (rows i with i % 16 == s in step s: 15 matmuls), then block
+    forward substitution for each later block row (X_a = D_aa - D_aa sum_{c<a} L_ac X_c: 2 matmuls a block),
+    as FLA's `solve_tril` does. (A power series (I - L)(I + L^2)(I + L^4)... would be 2 log C matmuls, but
+    sums terms that cancel: with L all ones below the diagonal they reach C(62, 31) ~ 5e17.)
+    """
+    c = lmat.shape[-1]
+    row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    eye = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
+    row_block, row_in = lax.div(row, block), lax.rem(row, block)
+    in_block = row_block == lax.div(col, block)
+    diag = jnp.where(in_block, lmat, 0.0)
+    x = jnp.broadcast_to(eye, lmat.shape)
+    for s in range(1, min(block, c)):  # rows s, 16 + s, ...: they read only rows above them in their block
+        x = jnp.where(row_in == s, eye - mm(diag, x), x)
+    d, below = x, jnp.where(in_block, 0.0, lmat)
+    for a in range(1, c // block):  # block row a reads the final rows of the blocks above it
+        x = x - mm(d, mm(jnp.where(row_block == a, below, 0.0), x))
+    return x
+
+
+@jax.custom_vjp
+def _tril_inverse(lmat):
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C] in jnp, with the inverse's own gradient
+    (dL = -A^T dA A^T) rather than autodiff through the substitution's steps."""
+    return _unit_lower_inverse(lmat, jnp.matmul)
+
+
+def _tril_inverse_fwd(lmat):
+    a = _tril_inverse(lmat)
+    return a, a
+
+
+def _tril_inverse_bwd(a, da):
+    at = jnp.swapaxes(a, -1, -2)
+    return (-(at @ da @ at),)
+
+
+_tril_inverse.defvjp(_tril_inverse_fwd, _tril_inverse_bwd)
+
+
 # ---- chunk-local terms (jnp) ------------------------------------------------------------------------
 def chunk_terms(q, k, v, g, beta, seg, chunk: int = CHUNK):
     """The chunk-local terms of the WY form, in the scan kernels' layout (the reference's maths).
@@ -123,11 +174,12 @@ def chunk_terms(q, k, v, g, beta, seg, chunk: int = CHUNK):
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # [B, Hk, R, N, C, C]
     kk = jnp.einsum("...ik,...jk->...ij", k, k)  # [B, Hk, 1, N, C, C]: once per key head
     qk = jnp.einsum("...ik,...jk->...ij", q, k)
-    system = jnp.eye(chunk, dtype=f32) + jnp.where(strict, kk * decay * beta[..., :, None], 0.0)
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    # (jax.scipy.linalg.solve_triangular would do; but XLA:CPU's batched solves, run side by side on a small
+    # machine, deadlocked jaxlib 0.10.2's thread pool in this backward.)
+    a = _tril_inverse(jnp.where(strict, kk * decay * beta[..., :, None], 0.0))  # [B, Hk, R, N, C, C]
     into = jnp.exp(cum) * carried  # [B, Hk, R, N, C]
-    u = solve(v * beta[..., None])
-    w = solve(k * (beta * into)[..., None])
+    u = a @ (v * beta[..., None])
+    w = a @ (k * (beta * into)[..., None])
     attn = qk * decay
     q_in = q * into[..., None]
     k_out = k * (jnp.exp(cum[..., -1:] - cum) * (seg == seg[..., -1:]))[..., None]
@@ -143,21 +195,58 @@ def _mm(a, b, precision, *, ta=False, tb=False):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _scan_kernel(u_ref, w_ref, attn_ref, qin_ref, kout_ref, keep_ref, s0_ref, o_ref, s_ref, states_ref, *,
-                 chunk, precision):
-    """One (batch, value head, Dv block), chunks in order. u_ref [Tp, bv]; w_ref, qin_ref, kout_ref [Tp, Dk];
-    attn_ref [Tp, C]; keep_ref [N]; s0_ref, s_ref [Dk, bv]; o_ref [Tp, bv]; states_ref [N Dk, bv]."""
+def _wy_kernel(k_ref, v_ref, gc_ref, beta_ref, seg_ref, u_ref, w_ref, *, precision):
+    """One (batch, value head, chunk): u = (I + L)^-1 (beta v), w = (I + L)^-1 (beta exp(gc) k) on the tokens
+    that still see the carried state, L_ij = beta_i (k_i . k_j) exp(gc_i - gc_j) for j < i in the same row.
+    k_ref [C, Dk] (the key head); v_ref [C, Dv]; gc_ref, beta_ref, seg_ref [C]; u_ref [C, Dv]; w_ref [C, Dk]."""
+    k = k_ref[...]
+    gc, beta, seg = gc_ref[...].astype(jnp.float32), beta_ref[...].astype(jnp.float32), seg_ref[...]
+    c = gc.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    strict = (row > col) & (seg[:, None] == seg[None, :])
+    decay = jnp.exp(jnp.where(strict, gc[:, None] - gc[None, :], 0.0))
+    lmat = jnp.where(strict, _mm(k, k, precision, tb=True) * decay * beta[:, None], 0.0)
+    a = _unit_lower_inverse(lmat, lambda x, y: _mm(x, y, precision))
+    into = jnp.where(seg == 0, jnp.exp(gc), 0.0) * beta
+    u_ref[...] = _mm(a, v_ref[...].astype(jnp.float32) * beta[:, None], precision)
+    w_ref[...] = _mm(a, k.astype(jnp.float32) * into[:, None], precision)
+
+
+def _chunk_reads(q, k, gc, seg, precision):
+    """In-chunk terms from the raw inputs (as `chunk_terms`): attn [C, C], q_in, k_out [C, Dk] fp32, keep []."""
+    c = gc.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    last = lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1
+    g_last = jnp.sum(jnp.where(last, gc, 0.0))
+    seg_last = jnp.sum(jnp.where(last, seg, 0))
+    lower = (row >= col) & (seg[:, None] == seg[None, :])
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    attn = _mm(q, k, precision, tb=True) * decay
+    q_in = q.astype(jnp.float32) * jnp.where(seg == 0, jnp.exp(gc), 0.0)[:, None]
+    k_out = k.astype(jnp.float32) * jnp.where(seg == seg_last, jnp.exp(g_last - gc), 0.0)[:, None]
+    keep = jnp.where(seg_last == 0, jnp.exp(g_last), 0.0)
+    return attn, q_in, k_out, keep
+
+
+def _scan_kernel(u_ref, w_ref, q_ref, k_ref, gc_ref, seg_ref, s0_ref, o_ref, s_ref, *states_ref, chunk, precision):
+    """One (batch, value head, Dv block), chunks in order. u_ref [Tp, bv]; w_ref [Tp, Dk]; q_ref, k_ref [Tp, Dk]
+    (the key head); gc_ref, seg_ref [Tp]; s0_ref, s_ref [Dk, bv]; o_ref [Tp, bv]; states_ref (when the backward
+    needs them) [N Dk, bv]."""
     dk = w_ref.shape[1]
 
     def body(n, s):  # s [Dk, bv] fp32: the state carried into chunk n
         rows = pl.ds(pl.multiple_of(n * chunk, chunk), chunk)
-        states_ref[pl.ds(pl.multiple_of(n * dk, dk), dk), :] = s
+        if states_ref:
+            states_ref[0][pl.ds(pl.multiple_of(n * dk, dk), dk), :] = s
+        attn, q_in, k_out, keep = _chunk_reads(q_ref[rows, :], k_ref[rows, :], gc_ref[rows].astype(jnp.float32),
+                                               seg_ref[rows], precision)
         v_new = u_ref[rows, :] - _mm(w_ref[rows, :], s, precision)  # [C, bv]
-        o = _mm(qin_ref[rows, :], s, precision) + _mm(attn_ref[rows, :], v_new, precision)
-        o_ref[rows, :] = o.astype(o_ref.dtype)
-        return s * keep_ref[n] + _mm(kout_ref[rows, :], v_new, precision, ta=True)
+        o_ref[rows, :] = (_mm(q_in, s, precision) + _mm(attn, v_new, precision)).astype(o_ref.dtype)
+        return s * keep + _mm(k_out, v_new, precision, ta=True)
 
-    s_ref[...] = lax.fori_loop(0, keep_ref.shape[0], body, s0_ref[...].astype(jnp.float32))
+    s_ref[...] = lax.fori_loop(0, seg_ref.shape[0] // chunk, body, s0_ref[...].astype(jnp.float32))
 
 
 def _scan_bwd_kernel(u_ref, w_ref, attn_ref, qin_ref, kout_ref, keep_ref, states_ref, do_ref, ds_ref,
@@ -193,25 +282,57 @@ def _spec(shape, index_map):
     return pl.BlockSpec(block_shape=shape, index_map=index_map)
 
 
-def _scan_call(cfg: Config, u, w, attn, q_in, k_out, keep, s0):
-    """o [B, Tp, Hv, Dv], final state [B, Hv, Dk, Dv], boundary states [B, Hv, N Dk, Dv]; all fp32."""
+def _params(cfg: Config):
+    return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _wy_call(cfg: Config, k, v, gc, beta, seg):
+    """u [B, Hv, Tp, Dv], w [B, Hv, Tp, Dk] fp32: the WY form's chunk-local solves, one program a chunk."""
+    b, t, hk, dk = k.shape
+    hv, dv = v.shape[2:]
+    c, rep = cfg.chunk, hv // hk
+    return pl.pallas_call(
+        functools.partial(_wy_kernel, precision=cfg.precision),
+        grid=(b, hv, t // c),
+        in_specs=[_spec((None, c, None, dk), lambda i, h, n: (i, n, lax.div(h, rep), 0)),
+                  _spec((None, c, None, dv), lambda i, h, n: (i, n, h, 0)),
+                  _spec((None, c, None), lambda i, h, n: (i, n, h)), _spec((None, c, None), lambda i, h, n: (i, n, h)),
+                  _spec((None, c), lambda i, h, n: (i, n))],
+        out_specs=[_spec((None, None, c, dv), lambda i, h, n: (i, h, n, 0)),
+                   _spec((None, None, c, dk), lambda i, h, n: (i, h, n, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, hv, t, dv), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hv, t, dk), jnp.float32)],
+        compiler_params=_params(cfg),
+        interpret=cfg.interpret,
+        name="gated_delta_wy",
+    )(k, v, gc, beta, seg)
+
+
+def _scan_call(cfg: Config, u, w, q, k, gc, seg, s0, *, states: bool):
+    """o [B, Tp, Hv, Dv], the final state [B, Hv, Dk, Dv] and (with `states`) the state at every chunk's start
+    [B, Hv, N Dk, Dv]; all fp32."""
     b, hv, t, dv = u.shape
-    dk, n, bv = w.shape[-1], keep.shape[-1], min(cfg.block_v, dv)
-    per_head = lambda d: _spec((None, None, t, d), lambda i, h, j: (i, h, 0, 0))
+    hk, dk, bv, n = q.shape[2], w.shape[-1], min(cfg.block_v, dv), t // cfg.chunk
+    rep = hv // hk
     by_block = lambda rows: _spec((None, None, rows, bv), lambda i, h, j: (i, h, 0, j))
+    key_head = _spec((None, t, None, dk), lambda i, h, j: (i, 0, lax.div(h, rep), 0))
+    out_specs = [_spec((None, t, None, bv), lambda i, h, j: (i, 0, h, j)), by_block(dk)]
+    out_shape = [jax.ShapeDtypeStruct((b, t, hv, dv), jnp.float32), jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32)]
+    if states:
+        out_specs.append(by_block(n * dk))
+        out_shape.append(jax.ShapeDtypeStruct((b, hv, n * dk, dv), jnp.float32))
     return pl.pallas_call(
         functools.partial(_scan_kernel, chunk=cfg.chunk, precision=cfg.precision),
         grid=(b, hv, dv // bv),
-        in_specs=[by_block(t), per_head(dk), per_head(cfg.chunk), per_head(dk), per_head(dk),
-                  _spec((None, None, n), lambda i, h, j: (i, h, 0)), by_block(dk)],
-        out_specs=[_spec((None, t, None, bv), lambda i, h, j: (i, 0, h, j)), by_block(dk), by_block(n * dk)],
-        out_shape=[jax.ShapeDtypeStruct((b, t, hv, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hv, n * dk, dv), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        in_specs=[by_block(t), _spec((None, None, t, dk), lambda i, h, j: (i, h, 0, 0)), key_head, key_head,
+                  _spec((None, t, None), lambda i, h, j: (i, 0, h)), _spec((None, t), lambda i, h, j: (i, 0)),
+                  by_block(dk)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(cfg),
         interpret=cfg.interpret,
         name="gated_delta_scan",
-    )(u, w, attn, q_in, k_out, keep, s0)
+    )(u, w, q, k, gc, seg, s0)
 
 
 def _scan_bwd_call(cfg: Config, u, w, attn, q_in, k_out, keep, states, do, ds):
@@ -233,7 +354,7 @@ def _scan_bwd_call(cfg: Config, u, w, attn, q_in, k_out, keep, states, do, ds):
                    _spec((None, None, None, n * dk), lambda i, h, j: (j, i, h, 0)), by_block(dk)],
         out_shape=[f32(b, hv, t, dv), f32(nv, b, hv, t, dk), f32(nv, b, hv, t, c), f32(nv, b, hv, t, dk),
                    f32(nv, b, hv, t, dk), f32(nv, b, hv, n * dk), f32(b, hv, dk, dv)],
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        compiler_params=_params(cfg),
         interpret=cfg.interpret,
         name="gated_delta_scan_bwd",
     )(u, w, attn, q_in, k_out, keep, states, do, ds)
@@ -242,14 +363,20 @@ def _scan_bwd_call(cfg: Config, u, w, attn, q_in, k_out, keep, states, do, ds):
 
 
 # ---- the differentiable op ---------------------------------------------------------------------------
+def _forward(q, k, v, g, beta, s0, seg, cfg: Config, *, states: bool):
+    b, t, hv = g.shape
+    gc = jnp.cumsum(g.astype(jnp.float32).reshape(b, t // cfg.chunk, cfg.chunk, hv), axis=2).reshape(b, t, hv)
+    u, w = _wy_call(cfg, k, v, gc, beta, seg)
+    return _scan_call(cfg, u, w, q, k, gc, seg, s0, states=states)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _gated_delta(q, k, v, g, beta, s0, seg, cfg: Config):
-    o, s, _ = _scan_call(cfg, *chunk_terms(q, k, v, g, beta, seg, cfg.chunk), s0)
-    return o, s
+    return tuple(_forward(q, k, v, g, beta, s0, seg, cfg, states=False))
 
 
 def _gated_delta_fwd(q, k, v, g, beta, s0, seg, cfg):
-    o, s, states = _scan_call(cfg, *chunk_terms(q, k, v, g, beta, seg, cfg.chunk), s0)
+    o, s, states = _forward(q, k, v, g, beta, s0, seg, cfg, states=True)
     return (o, s), (q, k, v, g, beta, seg, states)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.models import gated_delta as gd
-from kernels.gated_delta import chunked_gated_delta_rule_kernel, kernel_supported
+from kernels.gated_delta import _unit_lower_inverse, chunked_gated_delta_rule_kernel, kernel_supported
 
 
 def _inputs(b=2, t=100, hk=2, hv=4, dk=16, dv=32, seed=0, dtype=jnp.float32):
@@ -80,6 +80,25 @@ def test_forward_matches_the_chunked_form_and_float64(case):
     live = np.ones((b, t), bool) if "valid" not in kw else np.asarray(kw["valid"])
     np.testing.assert_allclose(np.asarray(o)[live], exact_o[live], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(s, exact_s, rtol=1e-4, atol=1e-5)
+
+
+def test_unit_lower_inverse_by_blocks_is_exact():
+    """The kernel's (I + L)^-1 (16-row blocks by substitution, then block substitution) against float64, on
+    the WY system of strongly correlated keys and on L = all ones below the diagonal (whose inverse is
+    I - the subdiagonal; a power series would sum binomials near 1e17 there)."""
+    rng = np.random.default_rng(0)
+    k = rng.normal(size=(64, 32)) * 0.3 + rng.normal(size=(1, 32))
+    k /= np.linalg.norm(k, axis=1, keepdims=True)
+    beta = rng.uniform(0.5, 1.0, 64)
+    cum = np.cumsum(-rng.uniform(0, 0.05, 64))
+    lower = np.tril(np.ones((64, 64)), -1)
+    cases = [lower * beta[:, None] * (k @ k.T) * np.exp(cum[:, None] - cum[None, :]), lower]
+    mm = lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+    inverse = jax.jit(lambda x: _unit_lower_inverse(x, mm))
+    for lmat in cases:
+        got = inverse(jnp.asarray(lmat, jnp.float32))
+        want = np.linalg.inv(np.eye(64) + lmat)
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
 
 
 def test_gradients_match_autodiff_of_the_chunked_form():
