@@ -22,10 +22,11 @@ q and k are read at key head h // (Hv / Hk) by the kernels' index maps: the grou
 
 Backward (a `jax.custom_vjp` around the whole op; residuals: the inputs and the chunk-start states): the
 chunk-local terms are recomputed in jnp (`chunk_terms`, the reference's maths batched over chunks, the Gram
-matrices once per key head) and differentiated by `jax.vjp`; between them `_scan_bwd_kernel` runs the scan
-from the last chunk to the first, carrying dS, reloading each chunk's start state to recompute v_new, and
-writing the terms' gradients (those that sum over Dv as one partial per Dv block, added in jnp). Memory stays
-O(T C) a head.
+matrices once per key head, the inverse by the same blocked substitution with its own gradient) and
+differentiated by `jax.vjp`. Between them, three kernels: `_dstate_kernel` runs the scan from the last chunk
+to the first (grid batch x value head x Dv block), carrying dS and writing d v_new and dS after each chunk;
+then, one program a chunk, `_grads_by_state_kernel` (dw, d q_in from S) and `_grads_by_values_kernel`
+(v_new again, then d k_out, d attn, d keep). Memory stays O(T C) a head, plus [N, Dk, Dv] states.
 
 Shapes: B batch, T time (Tp padded to a multiple of C), Hk key heads, Hv value heads (R = Hv / Hk), Dk key
 dim, Dv value dim, C chunk (64), N chunks.
@@ -57,8 +58,11 @@ class Config:
     block_v: int = 64  # Dv columns a scan program owns
     precision: lax.Precision | None = lax.Precision.HIGHEST  # dots on fp32 operands: IEEE, or TF32 (None)
     interpret: bool = False
-    num_warps: int = 4
-    num_stages: int = 2
+    # (num_warps, num_stages) a kernel. Compiled offline by Triton 3.9 for sm_90 at Qwen3.5's shapes (bf16, Dk = Dv
+    # = 128): shared memory for the dots' operands grows with the stages (the scan 66 KB at 1 stage, 182 KB at 2,
+    # 266 KB at 3; the dS scan 82 KB at 1, 311 KB at 2: past the H100's 227 KB), so the loops run unpipelined;
+    # 8 warps spill least (the scan 0.6 KB, the dS scan and the gradient kernels 0-0.2 KB; the WY kernel none).
+    launch: tuple = (("wy", (4, 1)), ("scan", (8, 1)), ("dstate", (8, 1)), ("grads", (8, 1)))
 
 
 def _is_pow2(x: int) -> bool:
@@ -249,41 +253,73 @@ def _scan_kernel(u_ref, w_ref, q_ref, k_ref, gc_ref, seg_ref, s0_ref, o_ref, s_r
     s_ref[...] = lax.fori_loop(0, seg_ref.shape[0] // chunk, body, s0_ref[...].astype(jnp.float32))
 
 
-def _scan_bwd_kernel(u_ref, w_ref, attn_ref, qin_ref, kout_ref, keep_ref, states_ref, do_ref, ds_ref,
-                     du_ref, dw_ref, dattn_ref, dqin_ref, dkout_ref, dkeep_ref, ds0_ref, *, chunk, precision):
-    """One (batch, value head, Dv block), chunks in reverse. Inputs as `_scan_kernel`'s, plus states_ref
-    [N Dk, bv], do_ref [Tp, bv], ds_ref [Dk, bv] (the final state's cotangent). Outputs: du_ref [Tp, bv];
-    this block's share of dw_ref, dqin_ref, dkout_ref [Tp, Dk], dattn_ref [Tp, C] and dkeep_ref [N Dk]
-    (row sums of S * dS); ds0_ref [Dk, bv]."""
+def _dstate_kernel(attn_ref, qin_ref, kout_ref, w_ref, keep_ref, do_ref, ds_ref, du_ref, dstates_ref, ds0_ref, *,
+                   chunk, precision):
+    """The backward's sequential part: one (batch, value head, Dv block), chunks in reverse, carrying dS (the
+    cotangent of the state after chunk n). attn_ref [Tp, C]; qin_ref, kout_ref, w_ref [Tp, Dk]; keep_ref [N];
+    do_ref [Tp, bv]; ds_ref, ds0_ref [Dk, bv] (the final and the initial state's cotangents). Writes
+    du_ref [Tp, bv] (= d v_new) and dstates_ref [N Dk, bv] (dS after each chunk)."""
     dk = w_ref.shape[1]
     num = keep_ref.shape[0]
 
-    def body(i, ds):  # ds [Dk, bv]: the cotangent of the state after chunk n
+    def body(i, ds):
         n = num - 1 - i
         rows = pl.ds(pl.multiple_of(n * chunk, chunk), chunk)
-        dks = pl.ds(pl.multiple_of(n * dk, dk), dk)
-        s = states_ref[dks, :]
-        w, q_in, k_out = w_ref[rows, :], qin_ref[rows, :], kout_ref[rows, :]
+        dstates_ref[pl.ds(pl.multiple_of(n * dk, dk), dk), :] = ds
         do = do_ref[rows, :].astype(jnp.float32)
-        v_new = u_ref[rows, :] - _mm(w, s, precision)
-        dv_new = _mm(attn_ref[rows, :], do, precision, ta=True) + _mm(k_out, ds, precision)  # [C, bv]
+        dv_new = _mm(attn_ref[rows, :], do, precision, ta=True) + _mm(kout_ref[rows, :], ds, precision)  # [C, bv]
         du_ref[rows, :] = dv_new
-        dw_ref[rows, :] = -_mm(dv_new, s, precision, tb=True)
-        dattn_ref[rows, :] = _mm(do, v_new, precision, tb=True)
-        dqin_ref[rows, :] = _mm(do, s, precision, tb=True)
-        dkout_ref[rows, :] = _mm(v_new, ds, precision, tb=True)
-        dkeep_ref[dks] = jnp.sum(s * ds, axis=1)
-        return ds * keep_ref[n] + _mm(q_in, do, precision, ta=True) - _mm(w, dv_new, precision, ta=True)
+        return (ds * keep_ref[n] + _mm(qin_ref[rows, :], do, precision, ta=True)
+                - _mm(w_ref[rows, :], dv_new, precision, ta=True))
 
     ds0_ref[...] = lax.fori_loop(0, num, body, ds_ref[...].astype(jnp.float32))
+
+
+def _grads_by_state_kernel(states_ref, du_ref, do_ref, dw_ref, dqin_ref, *, block_v, precision):
+    """One (batch, value head, chunk): dw = -du S^T, dq_in = do S^T, summed over Dv blocks. states_ref [Dk, Dv]
+    (S at the chunk's start); du_ref, do_ref [C, Dv]; dw_ref, dqin_ref [C, Dk]."""
+    c, dk = dw_ref.shape
+    dw = jnp.zeros((c, dk), jnp.float32)
+    dq = jnp.zeros((c, dk), jnp.float32)
+    for j in range(states_ref.shape[1] // block_v):
+        cols = pl.ds(j * block_v, block_v)
+        s = states_ref[:, cols]
+        dw = dw - _mm(du_ref[:, cols], s, precision, tb=True)
+        dq = dq + _mm(do_ref[:, cols].astype(jnp.float32), s, precision, tb=True)
+    dw_ref[...] = dw
+    dqin_ref[...] = dq
+
+
+def _grads_by_values_kernel(states_ref, dstates_ref, u_ref, w_ref, do_ref, dkout_ref, dattn_ref, dkeep_ref, *,
+                            block_v, precision):
+    """One (batch, value head, chunk): v_new = u - w S again, then dk_out = v_new dS^T, dattn = do v_new^T and
+    the row sums of S * dS (d keep), summed over Dv blocks. states_ref, dstates_ref [Dk, Dv] (S at the chunk's
+    start, dS after it); u_ref, do_ref [C, Dv]; w_ref [C, Dk]; dkout_ref [C, Dk]; dattn_ref [C, C]; dkeep_ref
+    [Dk]."""
+    c, dk = dkout_ref.shape
+    w = w_ref[...]
+    dkout = jnp.zeros((c, dk), jnp.float32)
+    dattn = jnp.zeros((c, c), jnp.float32)
+    dkeep = jnp.zeros((dk,), jnp.float32)
+    for j in range(states_ref.shape[1] // block_v):
+        cols = pl.ds(j * block_v, block_v)
+        s, ds = states_ref[:, cols], dstates_ref[:, cols]
+        v_new = u_ref[:, cols] - _mm(w, s, precision)
+        dkout = dkout + _mm(v_new, ds, precision, tb=True)
+        dattn = dattn + _mm(do_ref[:, cols].astype(jnp.float32), v_new, precision, tb=True)
+        dkeep = dkeep + jnp.sum(s * ds, axis=1)
+    dkout_ref[...] = dkout
+    dattn_ref[...] = dattn
+    dkeep_ref[...] = dkeep
 
 
 def _spec(shape, index_map):
     return pl.BlockSpec(block_shape=shape, index_map=index_map)
 
 
-def _params(cfg: Config):
-    return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def _params(cfg: Config, kernel: str):
+    num_warps, num_stages = dict(cfg.launch)[kernel]
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def _wy_call(cfg: Config, k, v, gc, beta, seg):
@@ -302,7 +338,7 @@ def _wy_call(cfg: Config, k, v, gc, beta, seg):
                    _spec((None, None, c, dk), lambda i, h, n: (i, h, n, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, hv, t, dv), jnp.float32),
                    jax.ShapeDtypeStruct((b, hv, t, dk), jnp.float32)],
-        compiler_params=_params(cfg),
+        compiler_params=_params(cfg, "wy"),
         interpret=cfg.interpret,
         name="gated_delta_wy",
     )(k, v, gc, beta, seg)
@@ -329,37 +365,57 @@ def _scan_call(cfg: Config, u, w, q, k, gc, seg, s0, *, states: bool):
                   by_block(dk)],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_params(cfg),
+        compiler_params=_params(cfg, "scan"),
         interpret=cfg.interpret,
         name="gated_delta_scan",
     )(u, w, q, k, gc, seg, s0)
 
 
 def _scan_bwd_call(cfg: Config, u, w, attn, q_in, k_out, keep, states, do, ds):
-    """The cotangents of (u, w, attn, q_in, k_out, keep, s0) given those of (o, final state)."""
+    """The cotangents of (u, w, attn, q_in, k_out, keep, s0) given those of (o, final state): the sequential
+    dS scan, then two kernels over chunks in parallel for the gradients that need S."""
     b, hv, t, dv = u.shape
     dk, n, bv, c = w.shape[-1], keep.shape[-1], min(cfg.block_v, dv), cfg.chunk
-    nv = dv // bv
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     per_head = lambda d: _spec((None, None, t, d), lambda i, h, j: (i, h, 0, 0))
     by_block = lambda rows: _spec((None, None, rows, bv), lambda i, h, j: (i, h, 0, j))
-    partial = lambda d: _spec((None, None, None, t, d), lambda i, h, j: (j, i, h, 0, 0))
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    du, dw, dattn, dqin, dkout, dkeep, ds0 = pl.pallas_call(
-        functools.partial(_scan_bwd_kernel, chunk=c, precision=cfg.precision),
-        grid=(b, hv, nv),
-        in_specs=[by_block(t), per_head(dk), per_head(c), per_head(dk), per_head(dk),
-                  _spec((None, None, n), lambda i, h, j: (i, h, 0)), by_block(n * dk),
+    du, dstates, ds0 = pl.pallas_call(
+        functools.partial(_dstate_kernel, chunk=c, precision=cfg.precision),
+        grid=(b, hv, dv // bv),
+        in_specs=[per_head(c), per_head(dk), per_head(dk), per_head(dk),
+                  _spec((None, None, n), lambda i, h, j: (i, h, 0)),
                   _spec((None, t, None, bv), lambda i, h, j: (i, 0, h, j)), by_block(dk)],
-        out_specs=[by_block(t), partial(dk), partial(c), partial(dk), partial(dk),
-                   _spec((None, None, None, n * dk), lambda i, h, j: (j, i, h, 0)), by_block(dk)],
-        out_shape=[f32(b, hv, t, dv), f32(nv, b, hv, t, dk), f32(nv, b, hv, t, c), f32(nv, b, hv, t, dk),
-                   f32(nv, b, hv, t, dk), f32(nv, b, hv, n * dk), f32(b, hv, dk, dv)],
-        compiler_params=_params(cfg),
+        out_specs=[by_block(t), by_block(n * dk), by_block(dk)],
+        out_shape=[f32(b, hv, t, dv), f32(b, hv, n * dk, dv), f32(b, hv, dk, dv)],
+        compiler_params=_params(cfg, "dstate"),
         interpret=cfg.interpret,
-        name="gated_delta_scan_bwd",
-    )(u, w, attn, q_in, k_out, keep, states, do, ds)
-    dkeep = dkeep.sum(0).reshape(b, hv, n, dk).sum(-1)
-    return (du, dw.sum(0), dattn.sum(0), dqin.sum(0), dkout.sum(0), dkeep), ds0
+        name="gated_delta_dstate",
+    )(attn, q_in, k_out, w, keep, do, ds)
+    chunk_rows = lambda d: _spec((None, None, c, d), lambda i, h, m: (i, h, m, 0))
+    state_n = _spec((None, None, dk, dv), lambda i, h, m: (i, h, m, 0))
+    do_n = _spec((None, c, None, dv), lambda i, h, m: (i, m, h, 0))
+    dw, dqin = pl.pallas_call(
+        functools.partial(_grads_by_state_kernel, block_v=bv, precision=cfg.precision),
+        grid=(b, hv, n),
+        in_specs=[state_n, chunk_rows(dv), do_n],
+        out_specs=[chunk_rows(dk), chunk_rows(dk)],
+        out_shape=[f32(b, hv, t, dk), f32(b, hv, t, dk)],
+        compiler_params=_params(cfg, "grads"),
+        interpret=cfg.interpret,
+        name="gated_delta_grads_by_state",
+    )(states, du, do)
+    dkout, dattn, dkeep = pl.pallas_call(
+        functools.partial(_grads_by_values_kernel, block_v=bv, precision=cfg.precision),
+        grid=(b, hv, n),
+        in_specs=[state_n, state_n, chunk_rows(dv), chunk_rows(dk), do_n],
+        out_specs=[chunk_rows(dk), chunk_rows(c), _spec((None, None, dk), lambda i, h, m: (i, h, m))],
+        out_shape=[f32(b, hv, t, dk), f32(b, hv, t, c), f32(b, hv, n * dk)],
+        compiler_params=_params(cfg, "grads"),
+        interpret=cfg.interpret,
+        name="gated_delta_grads_by_values",
+    )(states, dstates, u, w, do)
+    dkeep = dkeep.reshape(b, hv, n, dk).sum(-1)
+    return (du, dw, dattn, dqin, dkout, dkeep), ds0
 
 
 # ---- the differentiable op ---------------------------------------------------------------------------
@@ -393,7 +449,7 @@ _gated_delta.defvjp(_gated_delta_fwd, _gated_delta_bwd)
 
 def chunked_gated_delta_rule_kernel(q, k, v, g, beta, *, initial_state=None, resets=None, valid=None,
                                     chunk: int = CHUNK, block_v: int = 64, precision=None,
-                                    interpret: bool | None = None):
+                                    interpret: bool | None = None, launch: dict | None = None):
     """`models.gated_delta.chunked_gated_delta_rule` through the kernels, differentiable.
 
     Args:
@@ -406,6 +462,7 @@ def chunked_gated_delta_rule_kernel(q, k, v, g, beta, *, initial_state=None, res
       precision: of the kernels' dots (all on fp32 operands). None: IEEE fp32 when the inputs are fp32, TF32
         (as XLA's default on GPUs) when they are narrower.
       interpret: Pallas' interpreter (None: when the default backend is not a GPU).
+      launch: {kernel: (num_warps, num_stages)} over `Config.launch`'s (kernels 'wy', 'scan', 'dstate', 'grads').
     Returns:
       o [B, T, Hv, Dv] fp32, final state [B, Hv, Dk, Dv] fp32.
     """
@@ -420,6 +477,8 @@ def chunked_gated_delta_rule_kernel(q, k, v, g, beta, *, initial_state=None, res
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     cfg = Config(chunk=chunk, block_v=min(block_v, dv), precision=precision, interpret=interpret)
+    if launch:
+        cfg = dataclasses.replace(cfg, launch=tuple({**dict(cfg.launch), **launch}.items()))
     if valid is not None:  # identity steps: g = beta = k = 0
         keep = valid.astype(bool)
         g = jnp.where(keep[..., None], g, jnp.zeros((), g.dtype))

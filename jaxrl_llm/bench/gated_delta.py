@@ -6,13 +6,14 @@ against the jnp chunked form, beside the full-attention layers' cuDNN attention,
 At Qwen3.5-9B's linear-attention shapes (16 key heads, 32 value heads, Dk = Dv = 128, bf16), for each T x B of
 `--gdn_shapes`, with packed rows (a reset every 1,000 tokens) and a little right padding, as the training passes
 see them:
-1. check (first shape): the kernels' outputs and gradients against the jnp form's, both as compiled here;
-2. time: the log-prob pass (forward) and the update's forward + backward (gradients of q, k, v, g, beta) of
+1. time: the log-prob pass (forward) and the update's forward + backward (gradients of q, k, v, g, beta) of
    the kernels and of the jnp chunked form; and, for comparison, one full-attention layer's
    `jax.nn.dot_product_attention` (cuDNN, causal, 16 q heads, 4 kv heads, head dim 256) on the same tokens.
    Rows give ms (median of `--repeats` synchronised calls), tokens/s, the first call (compile) and XLA's
    temporary memory of the program;
-3. the scan's Dv block (`block_v` 32, 64, 128) at the last shape.
+2. check (first shape): the kernels' outputs and gradients against the jnp form's, the programs just timed;
+3. at the last shape, variants: the scans' Dv block 32 (twice the programs), and the forward scan's launch
+   (8 warps with 2 pipeline stages; 4 warps).
 Rows (section `gated_delta/<part>`) carry `t_s`, the seconds since the section started; past --budget_s the
 remaining parts are skipped.
 """
@@ -75,7 +76,7 @@ def programs(fn, kw):
 
 
 def compile_and_time(fn, args, repeats):
-    """(ms median, first call s including compile, XLA temp GB) of a jitted fn."""
+    """(ms median, first call s including compile, XLA temp GB, the compiled program) of a jitted fn."""
     t = time.perf_counter()
     compiled = fn.lower(*args).compile()
     jax.block_until_ready(compiled(*args))
@@ -83,17 +84,14 @@ def compile_and_time(fn, args, repeats):
     mem = compiled.memory_analysis()
     temp = getattr(mem, "temp_size_in_bytes", 0) / 1e9 if mem is not None else None
     ms = harness.timeit(compiled, *args, warmup=1, iters=repeats, warm_s=0.2) * 1e3
-    return ms, first, temp
+    return ms, first, temp, compiled
 
 
-def check(args, kw):
-    """The kernels against the jnp form, both compiled at XLA's default matmul precision."""
-    out = {}
-    for name, fn in (("kernel", chunked_gated_delta_rule_kernel), ("xla", gd.chunked_gated_delta_rule)):
-        fwd, grad = programs(fn, kw)
-        out[name] = jax.device_get((fwd(*args), grad(*args)))
-    (ko, ks), kg = out["kernel"]
-    (ro, rs), rg = out["xla"]
+def check(kernel, xla, args, kw):
+    """The kernels against the jnp form (both compiled at XLA's default matmul precision): {program: compiled}
+    of each, as `time_gdn` returns them."""
+    (ko, ks), kg = jax.device_get((kernel["fwd"](*args), kernel["fwd_bwd"](*args)))
+    (ro, rs), rg = jax.device_get((xla["fwd"](*args), xla["fwd_bwd"](*args)))
     rel = lambda x, y: float(np.linalg.norm(np.float32(x) - np.float32(y)) / np.linalg.norm(np.float32(y)))
     live = np.asarray(kw["valid"])
     row = dict(o_max_abs=float(np.max(np.abs(ko - ro)[live])), o_rel=rel(ko[live], ro[live]),
@@ -103,17 +101,20 @@ def check(args, kw):
 
 
 def time_gdn(args, kw, repeats, name, fn, passes=("fwd", "fwd_bwd"), **extra):
+    """Times `fn`'s forward and forward + backward; returns {program: compiled} of those it ran."""
     b, t = args[0].shape[:2]
     fwd, grad = programs(fn, kw)
+    done = {}
     for pas, prog in zip(("fwd", "fwd_bwd"), (fwd, grad)):
         if pas not in passes:
             continue
         if elapsed() > BUDGET:
             emit(section="skipped", what=f"{name} {pas} t={t} b={b}", reason="time budget")
             continue
-        ms, first, temp = compile_and_time(prog, args, repeats)
+        ms, first, temp, done[pas] = compile_and_time(prog, args, repeats)
         emit(section="time", impl=name, **extra, program=pas, t=t, b=b, tokens=b * t, ms=round(ms, 3),
              tokens_per_s=round(b * t / ms * 1e3), first_call_s=round(first, 1), temp_gb=temp)
+    return done
 
 
 def time_attention(b, t, dims, dtype, repeats):
@@ -132,7 +133,7 @@ def time_attention(b, t, dims, dtype, repeats):
         if elapsed() > BUDGET:
             emit(section="skipped", what=f"attention {pas} t={t} b={b}", reason="time budget")
             continue
-        ms, first, temp = compile_and_time(prog, (q, k, v), repeats)
+        ms, first, temp, _ = compile_and_time(prog, (q, k, v), repeats)
         emit(section="time", impl=f"attention_{impl or 'xla'}", program=pas, t=t, b=b, tokens=b * t, ms=round(ms, 3),
              tokens_per_s=round(b * t / ms * 1e3), first_call_s=round(first, 1), temp_gb=temp)
 
@@ -158,18 +159,19 @@ def gated_delta(opts):
     repeats = 1 if opts.small else opts.repeats
     for i, (t, b) in enumerate(shapes):
         args, kw = inputs(b, t, gdn_dims, dtype)
-        if i == 0:
-            check(args, kw)
-        time_gdn(args, kw, repeats, "kernel", chunked_gated_delta_rule_kernel)
+        kernel = time_gdn(args, kw, repeats, "kernel", chunked_gated_delta_rule_kernel)
         # On a small CPU the jnp form's backward (batched triangular solves side by side) can deadlock jaxlib's
         # thread pool when called in a loop; the smoke run times only its forward.
-        time_gdn(args, kw, repeats, "xla_chunked", gd.chunked_gated_delta_rule,
-                 passes=("fwd",) if opts.small else ("fwd", "fwd_bwd"))
+        xla = time_gdn(args, kw, repeats, "xla_chunked", gd.chunked_gated_delta_rule,
+                       passes=("fwd",) if opts.small else ("fwd", "fwd_bwd"))
+        if i == 0 and len(kernel) == len(xla) == 2:
+            check(kernel, xla, args, kw)
         time_attention(b, t, attn_dims, dtype, repeats)
     t, b = shapes[-1]
     args, kw = inputs(b, t, gdn_dims, dtype)
-    for bv in (32, 128):
-        if bv <= gdn_dims[3]:
-            time_gdn(args, kw, repeats, "kernel", lambda *a, bv=bv, **k: chunked_gated_delta_rule_kernel(
-                *a, block_v=bv, **k), block_v=bv)
+    variants = [({"block_v": 32}, ("fwd", "fwd_bwd")), ({"launch": {"scan": (8, 2)}}, ("fwd",)),
+                ({"launch": {"scan": (4, 1)}}, ("fwd",))]
+    for extra, passes in variants:
+        time_gdn(args, kw, repeats, "kernel", lambda *a, extra=extra, **k: chunked_gated_delta_rule_kernel(
+            *a, **extra, **k), passes=passes, variant=str(extra))
     emit(section="done", seconds=round(elapsed(), 1))

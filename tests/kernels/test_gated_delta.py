@@ -168,6 +168,22 @@ def test_dispatch_and_supported_shapes(monkeypatch):
     assert len(calls) == 1
 
 
+def test_kernels_lower_to_triton_without_a_gpu():
+    """Pallas' Triton lowering (what a GPU compile runs first) of the forward's and the backward's five kernels,
+    cross-lowered for CUDA on this CPU: an op the Triton backend lacks, or a block it cannot take, fails here."""
+    args = _inputs(t=128, hk=2, hv=4, dk=32, dv=32, dtype=jnp.bfloat16)
+    kw = _extras(2, 128, 4, 32, 32)
+
+    def grad(*a):
+        loss = lambda *x: jnp.sum(chunked_gated_delta_rule_kernel(*x, interpret=False, **kw)[0])
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*a)
+
+    text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("gated_delta_wy", "gated_delta_scan", "gated_delta_dstate", "gated_delta_grads_by_state",
+                 "gated_delta_grads_by_values"):
+        assert name in text, name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 def test_compiled_kernels_at_qwen3p5_9b_shapes_on_gpu():
