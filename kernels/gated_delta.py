@@ -12,7 +12,7 @@ where `kernel_supported` says the shapes fit. The chunked form has two kinds of 
 
 Forward, two Pallas kernels (Triton lowering on GPUs; Pallas' interpreter elsewhere):
   1. `_wy_kernel`, one program a (batch, value head, chunk): L from the key head's Gram matrix, decays and
-     beta, then (I + L)^-1 exactly by forward substitution written as dots (`_unit_lower_inverse`: 16-row
+     beta, then (I + L)^-1 exactly by forward substitution written as dots (`unit_lower_inverse`: 16-row
      blocks, then block substitution), then u and w;
   2. `_scan_kernel`, one program a (batch, value head, Dv block): columns of S evolve independently, so Dv is
      cut in blocks of `block_v` for more programs. The program keeps its [Dk, block_v] slice of S in fp32
@@ -21,11 +21,11 @@ Forward, two Pallas kernels (Triton lowering on GPUs; Pallas' interpreter elsewh
 q and k are read at key head h // (Hv / Hk) by the kernels' index maps: the grouped heads are not repeated.
 
 Backward (a `jax.custom_vjp` around the whole op; residuals: the inputs and the chunk-start states): the
-chunk-local terms are recomputed in jnp (`chunk_terms`, the reference's maths batched over chunks, the Gram
-matrices once per key head, the inverse by the same blocked substitution with its own gradient) and
-differentiated by `jax.vjp`. Between them, three kernels: `_dstate_kernel` runs the scan from the last chunk
-to the first (grid batch x value head x Dv block), carrying dS and writing d v_new and dS after each chunk;
-then, one program a chunk, `_grads_by_state_kernel` (dw, d q_in from S) and `_grads_by_values_kernel`
+chunk-local terms are recomputed in jnp (`gated_delta_terms.chunk_terms`: the reference's maths batched over
+chunks, the Gram matrices once per key head, the inverse by the same blocked substitution with its own
+gradient) and differentiated by `jax.vjp`. Between them, three kernels: `_dstate_kernel` runs the scan from the
+last chunk to the first (grid batch x value head x Dv block), carrying dS and writing d v_new and dS after each
+chunk; then, one program a chunk, `_grads_by_state_kernel` (dw, d q_in from S) and `_grads_by_values_kernel`
 (v_new again, then d k_out, d attn, d keep). Memory stays O(T C) a head, plus [N, Dk, Dv] states.
 
 Shapes: B batch, T time (Tp padded to a multiple of C), Hk key heads, Hv value heads (R = Hv / Hk), Dk key
@@ -44,7 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-CHUNK = 64
+from kernels.gated_delta_terms import CHUNK, chunk_terms, unit_lower_inverse
+
 IMPLS = ("auto", "pallas", "xla")
 MIN_DIM = 16  # Triton's dots need every dimension >= 16 (and powers of two)
 MAX_DK = 256  # a program holds a [Dk, block_v] fp32 state (and its gradient) in registers
@@ -97,101 +98,6 @@ def kernel_supported(q, k, v, *, impl: str = "auto") -> bool:
     return why is None and (impl == "pallas" or jax.default_backend() == "gpu")
 
 
-# ---- (I + L)^-1 ------------------------------------------------------------------------------------
-def _unit_lower_inverse(lmat, mm, block: int = 16):
-    """(I + L)^-1 of strictly lower-triangular L [..., C, C], exactly: forward substitution written as matmuls
-    (`mm`), for the kernels (Triton has no triangular solve) and for the jnp terms alike.
-
-    A row-by-row substitution is C dependent steps. Instead: the inverse D of the block-diagonal part (blocks of
-    16), by substitution on all blocks at once (rows i with i % 16 == s in step s: 15 matmuls), then block
-    forward substitution for each later block row (X_a = D_aa - D_aa sum_{c<a} L_ac X_c: 2 matmuls a block),
-    as FLA's `solve_tril` does. (A power series (I - L)(I + L^2)(I + L^4)... would be 2 log C matmuls, but
-    sums terms that cancel: with L all ones below the diagonal they reach C(62, 31) ~ 5e17.)
-    """
-    c = lmat.shape[-1]
-    row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    eye = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
-    row_block, row_in = lax.div(row, block), lax.rem(row, block)
-    in_block = row_block == lax.div(col, block)
-    diag = jnp.where(in_block, lmat, 0.0)
-    x = jnp.broadcast_to(eye, lmat.shape)
-    for s in range(1, min(block, c)):  # rows s, 16 + s, ...: they read only rows above them in their block
-        x = jnp.where(row_in == s, eye - mm(diag, x), x)
-    d, below = x, jnp.where(in_block, 0.0, lmat)
-    for a in range(1, c // block):  # block row a reads the final rows of the blocks above it
-        x = x - mm(d, mm(jnp.where(row_block == a, below, 0.0), x))
-    return x
-
-
-@jax.custom_vjp
-def _tril_inverse(lmat):
-    """(I + L)^-1 for strictly lower-triangular L [..., C, C] in jnp, with the inverse's own gradient
-    (dL = -A^T dA A^T) rather than autodiff through the substitution's steps."""
-    return _unit_lower_inverse(lmat, jnp.matmul)
-
-
-def _tril_inverse_fwd(lmat):
-    a = _tril_inverse(lmat)
-    return a, a
-
-
-def _tril_inverse_bwd(a, da):
-    at = jnp.swapaxes(a, -1, -2)
-    return (-(at @ da @ at),)
-
-
-_tril_inverse.defvjp(_tril_inverse_fwd, _tril_inverse_bwd)
-
-
-# ---- chunk-local terms (jnp) ------------------------------------------------------------------------
-def chunk_terms(q, k, v, g, beta, seg, chunk: int = CHUNK):
-    """The chunk-local terms of the WY form, in the scan kernels' layout (the reference's maths).
-
-    Args:
-      q, k: [B, Tp, Hk, Dk] (k zero on invalid tokens); v: [B, Tp, Hv, Dv]; g, beta: [B, Tp, Hv] (zero on
-        invalid tokens); any float dtype, computed in fp32. Tp is a multiple of `chunk`.
-      seg: [B, Tp] int32, resets so far in the token's chunk (up to and including it).
-    Returns:
-      u [B, Hv, Tp, Dv], w [B, Hv, Tp, Dk], attn [B, Hv, Tp, C], q_in [B, Hv, Tp, Dk], k_out [B, Hv, Tp, Dk],
-      keep [B, Hv, N]; all fp32.
-    """
-    f32 = jnp.float32
-    b, t, hk, dk = k.shape
-    hv, dv = v.shape[2:]
-    r, n = hv // hk, t // chunk
-    # [B, Hk, 1 or R, N, C, ...]: key heads outermost, so value head h = key head * R + its index in the group
-    keys = lambda a: a.astype(f32).reshape(b, n, chunk, hk, 1, dk).transpose(0, 3, 4, 1, 2, 5)
-    q, k = keys(q), keys(k)
-    v = v.astype(f32).reshape(b, n, chunk, hk, r, dv).transpose(0, 3, 4, 1, 2, 5)  # [B, Hk, R, N, C, Dv]
-    scalars = lambda a: a.astype(f32).reshape(b, n, chunk, hk, r).transpose(0, 3, 4, 1, 2)  # [B, Hk, R, N, C]
-    g, beta = scalars(g), scalars(beta)
-    seg = seg.reshape(b, 1, 1, n, chunk)
-    carried = seg == 0  # the token still sees the state carried into the chunk
-    same = seg[..., :, None] == seg[..., None, :]  # no reset in (j, i]
-    idx = jnp.arange(chunk)
-    lower = (idx[:, None] >= idx[None, :]) & same
-    strict = (idx[:, None] > idx[None, :]) & same
-
-    cum = jnp.cumsum(g, axis=-1)  # [B, Hk, R, N, C]
-    diff = cum[..., :, None] - cum[..., None, :]
-    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # [B, Hk, R, N, C, C]
-    kk = jnp.einsum("...ik,...jk->...ij", k, k)  # [B, Hk, 1, N, C, C]: once per key head
-    qk = jnp.einsum("...ik,...jk->...ij", q, k)
-    # (jax.scipy.linalg.solve_triangular would do; but XLA:CPU's batched solves, run side by side on a small
-    # machine, deadlocked jaxlib 0.10.2's thread pool in this backward.)
-    a = _tril_inverse(jnp.where(strict, kk * decay * beta[..., :, None], 0.0))  # [B, Hk, R, N, C, C]
-    into = jnp.exp(cum) * carried  # [B, Hk, R, N, C]
-    u = a @ (v * beta[..., None])
-    w = a @ (k * (beta * into)[..., None])
-    attn = qk * decay
-    q_in = q * into[..., None]
-    k_out = k * (jnp.exp(cum[..., -1:] - cum) * (seg == seg[..., -1:]))[..., None]
-    keep = jnp.exp(cum[..., -1]) * carried[..., -1]  # [B, Hk, R, N]
-    flat = lambda a: jnp.broadcast_to(a, (b, hk, r, *a.shape[3:])).reshape(b, hv, t, a.shape[-1])
-    return flat(u), flat(w), flat(attn), flat(q_in), flat(k_out), keep.reshape(b, hv, n)
-
-
 # ---- the scan kernels --------------------------------------------------------------------------------
 def _mm(a, b, precision, *, ta=False, tb=False):
     """a @ b in fp32 (a^T with ta, b^T with tb)."""
@@ -211,7 +117,7 @@ def _wy_kernel(k_ref, v_ref, gc_ref, beta_ref, seg_ref, u_ref, w_ref, *, precisi
     strict = (row > col) & (seg[:, None] == seg[None, :])
     decay = jnp.exp(jnp.where(strict, gc[:, None] - gc[None, :], 0.0))
     lmat = jnp.where(strict, _mm(k, k, precision, tb=True) * decay * beta[:, None], 0.0)
-    a = _unit_lower_inverse(lmat, lambda x, y: _mm(x, y, precision))
+    a = unit_lower_inverse(lmat, lambda x, y: _mm(x, y, precision))
     into = jnp.where(seg == 0, jnp.exp(gc), 0.0) * beta
     u_ref[...] = _mm(a, v_ref[...].astype(jnp.float32) * beta[:, None], precision)
     w_ref[...] = _mm(a, k.astype(jnp.float32) * into[:, None], precision)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.models import gated_delta as gd
-from kernels.gated_delta import _unit_lower_inverse, chunked_gated_delta_rule_kernel, kernel_supported
+from kernels.gated_delta import chunked_gated_delta_rule_kernel, kernel_supported
+from kernels.gated_delta_terms import unit_lower_inverse
 
 
 def _inputs(b=2, t=100, hk=2, hv=4, dk=16, dv=32, seed=0, dtype=jnp.float32):
@@ -94,7 +95,7 @@ def test_unit_lower_inverse_by_blocks_is_exact():
     lower = np.tril(np.ones((64, 64)), -1)
     cases = [lower * beta[:, None] * (k @ k.T) * np.exp(cum[:, None] - cum[None, :]), lower]
     mm = lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
-    inverse = jax.jit(lambda x: _unit_lower_inverse(x, mm))
+    inverse = jax.jit(lambda x: unit_lower_inverse(x, mm))
     for lmat in cases:
         got = inverse(jnp.asarray(lmat, jnp.float32))
         want = np.linalg.inv(np.eye(64) + lmat)
