@@ -20,9 +20,9 @@ Forward, two Pallas kernels (Triton lowering on GPUs; Pallas' interpreter elsewh
      and writes o; under differentiation it also writes the state at every chunk's start ([N, Dk, Dv]).
 q and k are read at key head h // (Hv / Hk) by the kernels' index maps: the grouped heads are not repeated.
 
-Backward (a `jax.custom_vjp` around the whole op; residuals: the inputs and the chunk-start states): the
-chunk-local terms are recomputed in jnp (`gated_delta_terms.chunk_terms`: the reference's maths batched over
-chunks, the Gram matrices once per key head, the inverse by the same blocked substitution with its own
+Backward (a `jax.custom_vjp` around the whole op; residuals: the inputs, the chunk-start states and the WY
+kernel's (I + L)^-1): the chunk-local terms are recomputed in jnp (`gated_delta_terms.chunk_terms`: the
+reference's maths batched over chunks, the Gram matrices once per key head, the saved inverse with its own
 gradient) and differentiated by `jax.vjp`. Between them, three kernels: `_dstate_kernel` runs the scan from the
 last chunk to the first (grid batch x value head x Dv block), carrying dS and writing d v_new and dS after each
 chunk; then, one program a chunk, `_grads_by_state_kernel` (dw, d q_in from S) and `_grads_by_values_kernel`
@@ -105,7 +105,7 @@ def _mm(a, b, precision, *, ta=False, tb=False):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _wy_kernel(k_ref, v_ref, gc_ref, beta_ref, seg_ref, u_ref, w_ref, *, precision):
+def _wy_kernel(k_ref, v_ref, gc_ref, beta_ref, seg_ref, u_ref, w_ref, *a_ref, precision):
     """One (batch, value head, chunk): u = (I + L)^-1 (beta v), w = (I + L)^-1 (beta exp(gc) k) on the tokens
     that still see the carried state, L_ij = beta_i (k_i . k_j) exp(gc_i - gc_j) for j < i in the same row.
     k_ref [C, Dk] (the key head); v_ref [C, Dv]; gc_ref, beta_ref, seg_ref [C]; u_ref [C, Dv]; w_ref [C, Dk]."""
@@ -121,6 +121,8 @@ def _wy_kernel(k_ref, v_ref, gc_ref, beta_ref, seg_ref, u_ref, w_ref, *, precisi
     into = jnp.where(seg == 0, jnp.exp(gc), 0.0) * beta
     u_ref[...] = _mm(a, v_ref[...].astype(jnp.float32) * beta[:, None], precision)
     w_ref[...] = _mm(a, k.astype(jnp.float32) * into[:, None], precision)
+    if a_ref:  # the backward's residual
+        a_ref[0][...] = a
 
 
 def _chunk_reads(q, k, gc, seg, precision):
@@ -228,11 +230,17 @@ def _params(cfg: Config, kernel: str):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _wy_call(cfg: Config, k, v, gc, beta, seg):
-    """u [B, Hv, Tp, Dv], w [B, Hv, Tp, Dk] fp32: the WY form's chunk-local solves, one program a chunk."""
+def _wy_call(cfg: Config, k, v, gc, beta, seg, *, inverse: bool):
+    """u [B, Hv, Tp, Dv], w [B, Hv, Tp, Dk] and (with `inverse`) (I + L)^-1 [B, Hv, Tp, C], fp32: the WY form's
+    chunk-local solves, one program a chunk."""
     b, t, hk, dk = k.shape
     hv, dv = v.shape[2:]
     c, rep = cfg.chunk, hv // hk
+    rows = lambda d: _spec((None, None, c, d), lambda i, h, n: (i, h, n, 0))
+    out_specs, out_shape = [rows(dv), rows(dk)], [jax.ShapeDtypeStruct((b, hv, t, d), jnp.float32) for d in (dv, dk)]
+    if inverse:
+        out_specs.append(rows(c))
+        out_shape.append(jax.ShapeDtypeStruct((b, hv, t, c), jnp.float32))
     return pl.pallas_call(
         functools.partial(_wy_kernel, precision=cfg.precision),
         grid=(b, hv, t // c),
@@ -240,10 +248,8 @@ def _wy_call(cfg: Config, k, v, gc, beta, seg):
                   _spec((None, c, None, dv), lambda i, h, n: (i, n, h, 0)),
                   _spec((None, c, None), lambda i, h, n: (i, n, h)), _spec((None, c, None), lambda i, h, n: (i, n, h)),
                   _spec((None, c), lambda i, h, n: (i, n))],
-        out_specs=[_spec((None, None, c, dv), lambda i, h, n: (i, h, n, 0)),
-                   _spec((None, None, c, dk), lambda i, h, n: (i, h, n, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, hv, t, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hv, t, dk), jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_params(cfg, "wy"),
         interpret=cfg.interpret,
         name="gated_delta_wy",
@@ -325,27 +331,28 @@ def _scan_bwd_call(cfg: Config, u, w, attn, q_in, k_out, keep, states, do, ds):
 
 
 # ---- the differentiable op ---------------------------------------------------------------------------
-def _forward(q, k, v, g, beta, s0, seg, cfg: Config, *, states: bool):
+def _forward(q, k, v, g, beta, s0, seg, cfg: Config, *, residuals: bool):
+    """(o, final state), and with `residuals` the chunk-start states and the chunks' (I + L)^-1."""
     b, t, hv = g.shape
     gc = jnp.cumsum(g.astype(jnp.float32).reshape(b, t // cfg.chunk, cfg.chunk, hv), axis=2).reshape(b, t, hv)
-    u, w = _wy_call(cfg, k, v, gc, beta, seg)
-    return _scan_call(cfg, u, w, q, k, gc, seg, s0, states=states)
+    u, w, *inverse = _wy_call(cfg, k, v, gc, beta, seg, inverse=residuals)
+    return (*_scan_call(cfg, u, w, q, k, gc, seg, s0, states=residuals), *inverse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _gated_delta(q, k, v, g, beta, s0, seg, cfg: Config):
-    return tuple(_forward(q, k, v, g, beta, s0, seg, cfg, states=False))
+    return tuple(_forward(q, k, v, g, beta, s0, seg, cfg, residuals=False))
 
 
 def _gated_delta_fwd(q, k, v, g, beta, s0, seg, cfg):
-    o, s, states = _forward(q, k, v, g, beta, s0, seg, cfg, states=True)
-    return (o, s), (q, k, v, g, beta, seg, states)
+    o, s, states, inverse = _forward(q, k, v, g, beta, s0, seg, cfg, residuals=True)
+    return (o, s), (q, k, v, g, beta, seg, states, inverse)
 
 
 def _gated_delta_bwd(cfg, res, cts):
-    q, k, v, g, beta, seg, states = res
+    q, k, v, g, beta, seg, states, inverse = res
     do, ds = cts
-    terms, pullback = jax.vjp(lambda *x: chunk_terms(*x, seg, cfg.chunk), q, k, v, g, beta)
+    terms, pullback = jax.vjp(lambda *x: chunk_terms(*x, seg, cfg.chunk, inverse=inverse), q, k, v, g, beta)
     dterms, ds0 = _scan_bwd_call(cfg, *terms, states, do, ds)
     return (*pullback(dterms), ds0, np.zeros(seg.shape, jax.dtypes.float0))
 

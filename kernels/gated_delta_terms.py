@@ -66,14 +66,33 @@ def _tril_inverse_bwd(a, da):
 _tril_inverse.defvjp(_tril_inverse_fwd, _tril_inverse_bwd)
 
 
+@jax.custom_vjp
+def _known_inverse(lmat, a):
+    """`a`, an (I + L)^-1 computed elsewhere (the WY kernel's), with the inverse's gradient in L."""
+    del lmat
+    return a
+
+
+def _known_inverse_fwd(lmat, a):
+    return a, a
+
+
+def _known_inverse_bwd(a, da):
+    return (*_tril_inverse_bwd(a, da), jnp.zeros_like(a))
+
+
+_known_inverse.defvjp(_known_inverse_fwd, _known_inverse_bwd)
+
+
 # ---- chunk-local terms (jnp) ------------------------------------------------------------------------
-def chunk_terms(q, k, v, g, beta, seg, chunk: int = CHUNK):
+def chunk_terms(q, k, v, g, beta, seg, chunk: int = CHUNK, inverse=None):
     """The chunk-local terms of the WY form, in the scan kernels' layout (the reference's maths).
 
     Args:
       q, k: [B, Tp, Hk, Dk] (k zero on invalid tokens); v: [B, Tp, Hv, Dv]; g, beta: [B, Tp, Hv] (zero on
         invalid tokens); any float dtype, computed in fp32. Tp is a multiple of `chunk`.
       seg: [B, Tp] int32, resets so far in the token's chunk (up to and including it).
+      inverse: [B, Hv, Tp, C] each chunk's (I + L)^-1 if known (the forward kernel's), else None (computed).
     Returns:
       u [B, Hv, Tp, Dv], w [B, Hv, Tp, Dk], attn [B, Hv, Tp, C], q_in [B, Hv, Tp, Dk], k_out [B, Hv, Tp, Dk],
       keep [B, Hv, N]; all fp32.
@@ -102,7 +121,11 @@ def chunk_terms(q, k, v, g, beta, seg, chunk: int = CHUNK):
     qk = jnp.einsum("...ik,...jk->...ij", q, k)
     # (jax.scipy.linalg.solve_triangular would do; but XLA:CPU's batched solves, run side by side on a small
     # machine, deadlocked jaxlib 0.10.2's thread pool in this backward.)
-    a = _tril_inverse(jnp.where(strict, kk * decay * beta[..., :, None], 0.0))  # [B, Hk, R, N, C, C]
+    lmat = jnp.where(strict, kk * decay * beta[..., :, None], 0.0)  # [B, Hk, R, N, C, C]
+    if inverse is None:
+        a = _tril_inverse(lmat)
+    else:
+        a = _known_inverse(lmat, inverse.astype(f32).reshape(b, hk, r, n, chunk, chunk))
     into = jnp.exp(cum) * carried  # [B, Hk, R, N, C]
     u = a @ (v * beta[..., None])
     w = a @ (k * (beta * into)[..., None])
