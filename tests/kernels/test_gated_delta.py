@@ -213,3 +213,30 @@ def test_compiled_kernels_at_qwen3p5_9b_shapes_on_gpu():
         x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
         rel = np.linalg.norm(x - y) / np.linalg.norm(y)
         assert rel < 2e-2, (name, rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_compiled_kernels_in_fp32_match_the_jnp_form_closely_on_gpu():
+    """fp32 inputs: the compiled kernels' dots are IEEE fp32, so outputs, final state and every gradient match
+    the jnp form at fp32 matmul precision to fp32 rounding (T not a multiple of 64, Hk < Hv, two Dv blocks,
+    packed rows, padding, an initial state)."""
+    b, t, hk, hv, d = 2, 200, 2, 4, 128
+    args = _inputs(b=b, t=t, hk=hk, hv=hv, dk=d, dv=d)
+    kw = _extras(b, t, hv, d, d)
+    s0 = kw.pop("initial_state")
+    cot = jnp.asarray(np.random.default_rng(2).normal(size=(b, t, hv, d)), jnp.float32)
+
+    def loss(fn, q, k, v, g, beta, s0):
+        o, s = fn(q, k, v, g, beta, initial_state=s0, **kw)
+        return jnp.sum(o * cot) + jnp.sum(jnp.sin(s))
+
+    with jax.default_matmul_precision("highest"):
+        ref = _jit(jax.grad(lambda *a: loss(gd.chunked_gated_delta_rule, *a), argnums=tuple(range(6))))(*args, s0)
+        ref_o, ref_s = _jit(gd.chunked_gated_delta_rule, initial_state=s0, **kw)(*args)
+    got = _jit(jax.grad(lambda *a: loss(chunked_gated_delta_rule_kernel, *a), argnums=tuple(range(6))))(*args, s0)
+    o, s = _jit(chunked_gated_delta_rule_kernel, initial_state=s0, **kw)(*args)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(s, ref_s, rtol=1e-4, atol=1e-4)
+    for name, x, y in zip(("q", "k", "v", "g", "beta", "initial_state"), got, ref):
+        np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4 * float(jnp.max(jnp.abs(y))), err_msg=name)
