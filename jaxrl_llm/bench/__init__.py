@@ -21,6 +21,7 @@ function in the module of its kind (or a new module, then import it here), emit 
   async_rl      async_longtail (one_step_off and fully_async against the synchronous step, long-tailed lengths)
   lora_sync     lora_sync;  quant: quant;  moe: moe_grouped, moe_update, moe_decode
   decode_kernel, paged_kernel   the Pallas decode kernels alone
+  gated_delta   gated_delta (the gated delta rule's Pallas kernels against its jnp form, beside cuDNN attention)
   torch_peers   torch (transformers peers and the parity reference; a command of its own)
   tools         tools (the agent loop's tool runner and sandbox)
 """
@@ -29,6 +30,7 @@ from jaxrl_llm.bench import (  # noqa: F401  (each registers its sections)
     async_rl,
     decode,
     decode_kernel,
+    gated_delta,
     gen,
     lora_sync,
     memory,

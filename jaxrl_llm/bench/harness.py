@@ -334,4 +334,5 @@ option("--work_dir", help="where checkpoints and adapter directories go (lora_sy
 option("--kv_cache_mb", type=int, default=64, help="the vLLM engine's KV cache in MB (lora_sync, weight_path)")
 option("--torch_results", help="the torch section's --out: its rows, the hardware ceilings and the parity reference")
 option("--rows", help="rows or slots (paged_kernel: slot counts; moe_decode: rows)")
-option("--budget_s", type=float, help="decode_kernel, paged_kernel: skip the parts left after this many seconds")
+option("--budget_s", type=float, help="decode_kernel, paged_kernel, gated_delta: skip the parts left after this many "
+       "seconds")
