@@ -64,6 +64,7 @@ def _tril_inverse_bwd(a, da):
 
 
 _tril_inverse.defvjp(_tril_inverse_fwd, _tril_inverse_bwd)
+tril_inverse = _tril_inverse  # models/gated_delta.py's chunked form uses it too
 
 
 @jax.custom_vjp

@@ -33,6 +33,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.gated_delta_terms import tril_inverse
+
 CHUNK = 32  # FLA uses 64 on GPUs (the kernel picks its own); 32 runs the XLA form 5x faster on CPUs
 
 
@@ -127,11 +129,11 @@ def chunked_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, resets=Non
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # [B, Hv, N, C, C]
     kb, vb = k * beta[..., None], v * beta[..., None]
     lmat = jnp.where(strict, jnp.einsum("...ik,...jk->...ij", kb, k) * decay, 0.0)
-    eye = jnp.eye(chunk, dtype=jnp.float32)
-    system = eye + lmat  # unit lower triangular
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
-    u = solve(vb)  # [B, Hv, N, C, Dv]: the values the chunk writes, before the carried state's part
-    w = solve(kb * (jnp.exp(cum) * carried)[..., None])  # [B, Hv, N, C, Dk]: how the carried state enters u
+    # (I + L)^-1 by blocked forward substitution in matmuls (jaxlib 0.10.2's batched triangular solve can
+    # deadlock on a CPU of 2 cores, and its backward is slow there)
+    inverse = tril_inverse(lmat)  # [B, Hv, N, C, C]
+    u = inverse @ vb  # [B, Hv, N, C, Dv]: the values the chunk writes, before the carried state's part
+    w = inverse @ (kb * (jnp.exp(cum) * carried)[..., None])  # [B, Hv, N, C, Dk]: how the carried state enters u
     attn = jnp.einsum("...ik,...jk->...ij", q, k) * decay  # [B, Hv, N, C, C] (diagonal included)
     q_in = q * (jnp.exp(cum) * carried)[..., None]  # reads of the carried state
     last = seg[..., -1:]  # the chunk's last token's reset count

@@ -146,6 +146,8 @@ def test_dispatch_and_supported_shapes(monkeypatch):
     assert not kernel_supported(q, k, v, impl="auto")  # CPU
     assert kernel_supported(q, k, v, impl="pallas") and not kernel_supported(q, k, v, impl="xla")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not kernel_supported(q, k, v, impl="auto")  # not yet run on a GPU: 'auto' keeps the XLA form
+    monkeypatch.setattr("kernels.gated_delta.VALIDATED_ON_GPU", True)
     assert kernel_supported(q, k, v, impl="auto")
     assert not kernel_supported(q[..., :12], k[..., :12], v, impl="auto")  # Dk not a power of two >= 16
     monkeypatch.undo()
