@@ -8,7 +8,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 
 from jaxrl_llm.bench.workload import gsm8k_prompts, seed_response_lengths
 from jaxrl_llm.models import DecoderConfig, init_params
