@@ -27,6 +27,7 @@ from jaxrl_llm.rollout.weight_sync import WeightSync
 from jaxrl_llm.trainer import memory_check, router_replay, steps
 from jaxrl_llm.trainer.algo_setup import (
     adv_inputs,
+    exactly_on_policy,
     make_adv_fn,
     policy_loss_config,
     rollout_correction_config,
@@ -188,13 +189,12 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         self.ref_logprob_fn = steps.make_logprob_fn(self.actor.base_graphdef, temperature=temp, chunk_size=chunk)
         self.plain_logprob_fn = (self.ref_logprob_fn if self.lora is None else
                                  steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk))
-        # A step that is one mini-batch and one epoch is exactly on-policy (veRL's shortcut): the ratio is
-        # 1 by construction and the old-log-prob pass is skipped, unless something else reads the old
-        # log-probs (the KL in the reward, decoupled rollout correction, the optimal token baseline).
-        # Bypass mode uses the sampler's log-probs as the old ones and never runs the pass.
-        self.on_policy = (run.actor.ppo_epochs == 1 and run.actor.ppo_mini_batch_size == run.data.train_batch_size
-                          and not run.algo.use_kl_in_reward and self.rc is None and not stale
-                          and not {"old_log_probs", "sum_pi_squared"} & set(self.estimator.inputs))
+        # Exactly on-policy (veRL's shortcut): the old-log-prob pass is skipped. Bypass mode uses the sampler's
+        # log-probs as the old ones and never runs the pass either.
+        why = exactly_on_policy(run, self.estimator, self.rc)
+        self.on_policy = why is not None
+        if why is not None and self.memory is not None:  # the real worker, not the memory check's
+            log.info("old-log-prob pass skipped every step: %s", why)
         self.policy_loss = policy_loss_config(run, self.rc)
         self.loss_settings = steps.ActorLossSettings(
             temperature=temp, policy=self.policy_loss, entropy_coeff=run.actor.entropy_coeff,
