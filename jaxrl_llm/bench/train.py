@@ -45,7 +45,8 @@ def train_section(opts):
 
 def train(presets, small: bool, remat_list):
     from jaxrl_llm.algorithms import LossNorm
-    from jaxrl_llm.trainer.batch import PackShape, build_micro_batch, plan_micro_batches
+    from jaxrl_llm.trainer.batch import PackShape, build_micro_batch
+    from jaxrl_llm.trainer.packing import padded_tokens, plan_packing
     from jaxrl_llm.trainer.worker import TrainerWorker
 
     peak_meas = CEILINGS["matmul_tflops"] or 790.0  # PEERS.md: 774-787 TFLOP/s on the lent H200
@@ -109,8 +110,9 @@ def train(presets, small: bool, remat_list):
             jax.block_until_ready(worker.actor_state["params"])
             t_up = time.perf_counter() - t0
             flops = veRL_flops(cfg, seqlens)
-            plans = plan_micro_batches(seqlens, worker.pack)
-            fill = seqlens.sum() / (len(plans) * worker.pack.rows * worker.pack.length)
+            plans = [p for idx in np.array_split(np.arange(len(batch)), 4)  # the 4 mini-batches
+                     for p in plan_packing(seqlens[idx], worker.pack_ladder, worker.dp)]
+            fill = seqlens.sum() / padded_tokens(plans)
             emit(section="train_grpo_update", preset=preset, remat=remat, sequences=len(batch),
                  tokens=int(seqlens.sum()), micro_batches=len(plans), pack_fill=float(fill), seconds=t_up,
                  tokens_per_s=seqlens.sum() / t_up, mfu_measured_peak=flops / t_up / 1e12 / peak_meas,

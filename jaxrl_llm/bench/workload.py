@@ -86,6 +86,22 @@ def gsm8k_prompts(n: int, vocab_size: int | None = None) -> list[list[int]]:
     return out
 
 
+@functools.cache
+def gsm8k_prompt_lengths() -> np.ndarray:
+    """[1319] token counts of `gsm8k_prompts`' prompts, by the same chat template and tokenizer read without
+    transformers (whose import alone takes seconds): what a test of the seed's lengths needs."""
+    import jinja2
+    import tokenizers
+
+    d = os.path.join(data_dir(), "qwen2_tokenizer")
+    with open(os.path.join(d, "tokenizer_config.json")) as f:
+        template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(json.load(f)["chat_template"])
+    texts = [template.render(messages=[{"role": "user", "content": q}], add_generation_prompt=True)
+             for q in _questions()]
+    tok = tokenizers.Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+    return np.asarray([len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)], np.int32)
+
+
 def seed_response_lengths(n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     mu = np.log(SEED_RESPONSE_MEAN) - 0.5 ** 2 / 2

@@ -121,9 +121,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x n responses)
     ppo_max_token_len_per_gpu: int = 16384  # token budget of one micro-batch per device
     pack_length: int | None = None  # packed row length (default: max prompt + max response, rounded)
-    # Shapes the last micro-batch of a mini-batch may take (1: always the full one; k: the full one and
-    # 1/2 ... 1/2^(k-1) of its rows), so a mostly empty tail does not cost a full micro-batch.
-    tail_shapes: int = 3
+    # Micro-batch shapes a pass may take (trainer/packing.py; 1: always the full one; k: the full one and 1/2 ...
+    # 1/2^(k-1) of its rows, each built before the first step), so a pass's padding is a few % of its tokens.
+    tail_shapes: int = 4
     clip_ratio: float = 0.2  # PPO's clip range (both sides, unless clip_ratio_low / high)
     clip_ratio_low: float | None = None  # the range below 1 (None: clip_ratio)
     clip_ratio_high: float | None = None  # the range above 1 (None: clip_ratio; DAPO's clip-higher uses 0.28)

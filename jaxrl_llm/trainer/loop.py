@@ -385,6 +385,7 @@ class RLTrainer:
             metrics["actor/entropy_rollout"] = float(np.sum(out["entropy"]) / max(batch.response_mask.sum(), 1))
         compiled = worker.call("compile_stats")  # a program compiled after the first step shows here
         metrics.update(compile_watch.delta(compiled_before, compiled))
+        metrics.update(worker.call("pack_metrics"))
         metrics["perf/engine_programs_compiled"] = compiled["engine_programs_compiled"]
         return self._step_metrics(metrics, batch, timer, step)
 

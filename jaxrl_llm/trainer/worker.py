@@ -32,14 +32,7 @@ from jaxrl_llm.trainer.algo_setup import (
     policy_loss_config,
     rollout_correction_config,
 )
-from jaxrl_llm.trainer.batch import (
-    PackShape,
-    TrainBatch,
-    build_micro_batch,
-    plan_micro_batches,
-    split_mini_batches,
-    tail_shape,
-)
+from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch, split_mini_batches
 from jaxrl_llm.trainer.config import RunConfig
 from jaxrl_llm.trainer.model_load import (
     load_actor_params,
@@ -50,6 +43,7 @@ from jaxrl_llm.trainer.model_load import (
 )
 from jaxrl_llm.trainer.model_state import ModelState, abstract_params
 from jaxrl_llm.trainer.optim import make_optimizer
+from jaxrl_llm.trainer.packing import padded_tokens, plan_packing, shape_ladder
 from jaxrl_llm.trainer.placement import rollout_mesh, split_devices
 from jaxrl_llm.trainer.rollout_remote import RemoteEngine
 from jaxrl_llm.trainer.worker_checkpoints import WorkerCheckpoints
@@ -172,6 +166,10 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         # Forward-only passes keep no activations for a backward pass: larger micro-batches, fewer of them.
         self.fwd_pack = self.pack_shape(run.rollout.log_prob_max_token_len_per_gpu
                                          or 2 * run.actor.ppo_max_token_len_per_gpu)
+        # Every micro-batch shape a pass can meet (trainer/packing.py), and the tokens its packing filled.
+        self.pack_ladder = shape_ladder(self.pack, self.dp, run.actor.tail_shapes)
+        self.fwd_ladder = shape_ladder(self.fwd_pack, self.dp, run.actor.tail_shapes)
+        self._fill: dict[str, list[int]] = {}
         self.estimator = get_adv_estimator(run.algo.adv_estimator)
         self.rc = rollout_correction_config(run)
         # Async training on stale samples: the sampler's log-probs are the behaviour policy's; without the
@@ -234,12 +232,27 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
             out[k] = distributed.put(v, sharding.batch_sharding(self.mesh, v.ndim, v.shape))
         return out
 
-    def _micro_batches(self, batch: TrainBatch, fields, pack: PackShape):
+    def _micro_batches(self, batch: TrainBatch, fields, ladder: tuple[PackShape, ...], name: str):
+        """`batch` packed into micro-batches of `ladder`'s shapes, placed on the mesh: (host-only fields,
+        device arrays) each. `name`: the pass its fill counts to (`pack_metrics`)."""
         lengths = batch.prompt_lengths + batch.response_lengths
-        for placements in plan_micro_batches(lengths, pack):
-            shape = tail_shape(placements, pack, self.dp, self.run.actor.tail_shapes)
+        plans = plan_packing(lengths, ladder, self.dp)
+        fill = self._fill.setdefault(name, [0, 0])
+        fill[0] += int(lengths.sum())
+        fill[1] += padded_tokens(plans)
+        for shape, placements in plans:
             mb = build_micro_batch(batch, placements, shape, fields=fields, pad_id=self.cfg.pad_token_id or 0)
             yield {k: mb[k] for k in HOST_ONLY}, self._put(mb)
+
+    def pack_metrics(self) -> dict[str, float]:
+        """`perf/pack_fill`: the real tokens over the padded tokens of every micro-batch packed since the last
+        call, and `perf/pack_fill/<pass>` for the update and the log-prob passes apart."""
+        fill, self._fill = self._fill, {}
+        out = {f"perf/pack_fill/{k}": real / padded for k, (real, padded) in fill.items() if padded}
+        padded = sum(p for _, p in fill.values())
+        if padded:
+            out["perf/pack_fill"] = sum(r for r, _ in fill.values()) / padded
+        return out
 
     # ---- forward passes: old and reference log-probs, values ------------------------------------
     def start_forward_passes(self, batch: TrainBatch, *, old: bool = False, ref: bool = False,
@@ -266,7 +279,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         with jax.set_mesh(self.mesh):
             # Dispatch every micro-batch before fetching any result, so the host packs the next
             # micro-batch while the device computes.
-            for host, mb in self._micro_batches(batch, (), self.fwd_pack):
+            for host, mb in self._micro_batches(batch, (), self.fwd_ladder, "log_prob"):
                 pending.append((host, [(names, fn(params, mb)) for fn, params, names in passes]))
         self._pending = (batch, pending)
 
@@ -358,7 +371,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
                                     num_seqs=jnp.float32(max((mask.sum(-1) > 0).sum(), 1)),
                                     max_len=jnp.float32(run.actor.loss_scale_factor or run.data.max_response_length))
                     grads = metrics = None
-                    for _, mb in self._micro_batches(sub, fields, self.pack):
+                    for _, mb in self._micro_batches(sub, fields, self.pack_ladder, "update"):
                         if grads is None:
                             grads = zeros(state["params"])
                             metrics = metrics0(role.params(state["params"]), mb, norm)
@@ -404,7 +417,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         """clip_cov / kl_cov: the mini-batch's selected tokens, from the current policy's log-probs (one
         forward pass over the mini-batch), so every micro-batch applies the mini-batch's selection."""
         logp = np.zeros(sub.responses.shape, np.float32)
-        for host, mb in self._micro_batches(sub, (), self.fwd_pack):
+        for host, mb in self._micro_batches(sub, (), self.fwd_ladder, "log_prob"):
             seq_ids = host["seq_ids"]
             used = seq_ids >= 0
             # Log-probs alone (no entropy or Σπ²), with the current params.
