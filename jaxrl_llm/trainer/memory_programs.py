@@ -222,21 +222,34 @@ class StepPrograms:
             return [run.rollout.log_prob_max_token_len_per_gpu]
         return [2 * run.actor.ppo_max_token_len_per_gpu, run.actor.ppo_max_token_len_per_gpu]
 
-    def forward(self, budget: int) -> list:
-        """The forward passes the step runs, on one micro-batch of `budget` tokens a device."""
+    def fusions(self) -> list[bool]:
+        """Whether the old and reference passes run as one program, in the order to try: fused first where the
+        run asks for it (rollout.fuse_log_prob_passes) and both passes run."""
+        w = self.w
+        both = w.needs_old_log_prob() and w.needs_ref
+        return [True, False] if both and self.run.rollout.fuse_log_prob_passes else [False]
+
+    def forward(self, budget: int, fused: bool = False) -> list:
+        """The forward passes the step runs, on one micro-batch of `budget` tokens a device; `fused`: the old
+        and reference passes as one program."""
         w, out = self.w, []
         pack = w.pack_shape(budget)
         _, mb = self.micro_batch(pack, (), update=False)
         held, detail = self.held("forward"), f"{pack.rows} rows of {pack.length} tokens"
+        offloaded = w.lora is None and self.run.trainer.ref_offload  # the reference comes back for its pass
+        ref_in = w.ref_params if offloaded else ()
         with jax.set_mesh(w.mesh):
-            if w.needs_old_log_prob():
-                out.append(compiled_memory("old log-prob pass", w.logprob_fn, (w.actor.params(), mb), held=held,
-                                           transient=mb, detail=detail))
-            if w.needs_ref:
-                offloaded = w.lora is None and self.run.trainer.ref_offload  # brought back for the pass
-                out.append(compiled_memory("reference log-prob pass", w.ref_logprob_fn, (w.ref_params, mb),
-                                           held=held, transient=(mb, w.ref_params if offloaded else ()),
+            if fused:
+                out.append(compiled_memory("old + reference log-prob pass", w.old_ref_fn,
+                                           (w.actor.params(), w.ref_params, mb), held=held, transient=(mb, ref_in),
                                            detail=detail))
+            else:
+                if w.needs_old_log_prob():
+                    out.append(compiled_memory("old log-prob pass", w.logprob_fn, (w.actor.params(), mb),
+                                               held=held, transient=mb, detail=detail))
+                if w.needs_ref:
+                    out.append(compiled_memory("reference log-prob pass", w.ref_logprob_fn, (w.ref_params, mb),
+                                               held=held, transient=(mb, ref_in), detail=detail))
             if w.critic is not None:
                 out.append(compiled_memory("critic values pass", w.value_fn, (w.critic.params(), mb), held=held,
                                            transient=mb, detail=detail))

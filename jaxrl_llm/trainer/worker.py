@@ -187,6 +187,11 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         self.ref_logprob_fn = steps.make_logprob_fn(self.actor.base_graphdef, temperature=temp, chunk_size=chunk)
         self.plain_logprob_fn = (self.ref_logprob_fn if self.lora is None else
                                  steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk))
+        # Both passes in one program a micro-batch where both run (rollout.fuse_log_prob_passes, kept by the
+        # memory check where it fits).
+        self.old_ref_fn = steps.make_old_and_ref_fn(self.actor_gd, self.actor.base_graphdef, temperature=temp,
+                                                    chunk_size=chunk, with_sum_pi_squared=self.with_sum_pi_squared,
+                                                    with_routing=self.record_routing)
         # Exactly on-policy (veRL's shortcut): the old-log-prob pass is skipped. Bypass mode uses the sampler's
         # log-probs as the old ones and never runs the pass either.
         why = exactly_on_policy(run, self.estimator, self.rc)
@@ -263,24 +268,28 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         Nothing is fetched: the device computes while the caller does host work (the driver scores
         rewards here), and `finish_forward_passes` collects the results.
         """
-        passes = []
-        if old:
-            names = {"log_prob": "old_log_prob", "entropy": "entropy"}
-            if self.with_sum_pi_squared:
-                names["sum_pi_squared"] = "sum_pi_squared"
-            if self.record_routing:
-                names["routing"] = router_replay.FIELD
-            passes.append((self.logprob_fn, self.actor.params(), names))
-        if ref:
-            passes.append((self.ref_logprob_fn, self._ref_on_device(), {"log_prob": "ref_log_prob"}))
+        passes = []  # (program, its params, {its output: the batch field})
+        old_names = {"log_prob": "old_log_prob", "entropy": "entropy"}
+        if self.with_sum_pi_squared:
+            old_names["sum_pi_squared"] = "sum_pi_squared"
+        if self.record_routing:
+            old_names["routing"] = router_replay.FIELD
+        if old and ref and self.run.rollout.fuse_log_prob_passes:
+            passes.append((self.old_ref_fn, (self.actor.params(), self._ref_on_device()),
+                           {**old_names, "ref_log_prob": "ref_log_prob"}))
+        else:
+            if old:
+                passes.append((self.logprob_fn, (self.actor.params(),), old_names))
+            if ref:
+                passes.append((self.ref_logprob_fn, (self._ref_on_device(),), {"log_prob": "ref_log_prob"}))
         if values:
-            passes.append((self.value_fn, self.critic.params(), {"values": "values"}))
+            passes.append((self.value_fn, (self.critic.params(),), {"values": "values"}))
         pending = []
         with jax.set_mesh(self.mesh):
             # Dispatch every micro-batch before fetching any result, so the host packs the next
             # micro-batch while the device computes.
             for host, mb in self._micro_batches(batch, (), self.fwd_ladder, "log_prob"):
-                pending.append((host, [(names, fn(params, mb)) for fn, params, names in passes]))
+                pending.append((host, [(names, fn(*params, mb)) for fn, params, names in passes]))
         self._pending = (batch, pending)
 
     def forward_passes_ready(self) -> bool:
