@@ -347,6 +347,9 @@ class TrainerConfig:
     # The bytes a device may hold, for the memory check before the first step (trainer/memory_check.py).
     # None: what XLA may use on the device (a CPU says nothing: no check there); set it to check on a CPU.
     device_memory_limit_bytes: int | None = None
+    # Compile the update and log-prob passes at every micro-batch shape a step can meet (trainer/warm_programs.py)
+    # while the worker starts, so that no later step compiles. None: on where the devices are not the CPU.
+    compile_ahead: bool | None = None
     dump_batches: bool = False  # save every step's training batch under <run_dir>/batches
     replay_batches_from: str | None = None  # a dir of dumped batches to train on instead of generating
     peak_tflops: float | None = None  # per device, for perf/mfu (default: a table by device kind)

@@ -46,6 +46,7 @@ from jaxrl_llm.trainer.optim import make_optimizer
 from jaxrl_llm.trainer.packing import padded_tokens, plan_packing, shape_ladder
 from jaxrl_llm.trainer.placement import rollout_mesh, split_devices
 from jaxrl_llm.trainer.rollout_remote import RemoteEngine
+from jaxrl_llm.trainer.warm_programs import CompileAhead
 from jaxrl_llm.trainer.worker_checkpoints import WorkerCheckpoints
 from jaxrl_llm.trainer.worker_weights import WorkerWeights
 
@@ -110,6 +111,10 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
             self.critic_gd, self.critic_sh = self.critic.graphdef, self.critic.param_sh
 
         self._build_steps()
+        warm = None
+        ahead = run.trainer.compile_ahead
+        if not abstract and (jax.devices()[0].platform != "cpu" if ahead is None else ahead):
+            warm = CompileAhead(self)  # on threads, while the engine is built
         self.engine = None
         self._weight_sync: WeightSync | None = None  # the sync to the rollout's own devices (async modes)
         if run.rollout.engine == "jax" and not abstract and self._remote_rollout():
@@ -130,6 +135,10 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
                                           max_prompt_length=engine_prompt_length(run),
                                           max_model_len=run.rollout.max_model_len or run.max_model_len)
             self.memory.check_engine(self.engine)  # the sampler's programs, where the engine reports them
+        if warm is not None:
+            count, seconds = warm.wait()
+            log.info("compiled the update and log-prob passes at every shape of their ladders ahead: %d programs "
+                     "in %.1f s", count, seconds)
 
     def _remote_rollout(self) -> bool:
         return self.rollout_devices is not None and any(d.process_index != jax.process_index()
