@@ -3,6 +3,7 @@ and the memory check keeps them apart where only that fits."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -68,3 +69,23 @@ def test_the_memory_check_keeps_the_passes_apart_where_only_that_fits():
     run = runs.run_config("train.device_memory_limit_bytes=1000000000000", *params)
     plan = memory_check.plan(run, model_config(run), _build)
     assert plan.run.rollout.fuse_log_prob_passes and "old + reference log-prob pass" in {p.name for p in plan.programs}
+
+
+def test_the_step_programs_hold_no_full_fp32_logits():
+    """The update's grad step and the fused log-prob pass, as the step compiles them: with a vocabulary of 8
+    chunks, no [tokens, V] fp32 buffer (forward, entropy or backward) appears in either program."""
+    from jaxrl_llm.trainer.warm_programs import forward_programs, update_programs
+
+    v = 4096
+    run = runs.run_config(*BOTH, "actor.logprob_chunk_size=512", "actor.ppo_max_token_len_per_gpu=256",
+                          "rollout.log_prob_max_token_len_per_gpu=256", f"model.overrides={{'vocab_size': {v}}}")
+    w = _build(run, model_config(run))
+    pack = w.pack_shape(256)
+    programs = update_programs(w, pack)[:1] + forward_programs(w, pack, fused=True)
+    assert [p.name for p in programs] == ["actor update", "old + reference log-prob pass"]
+    for p in programs:
+        with jax.set_mesh(w.mesh):
+            text = p.jitted.lower(*p.args).compile().as_text()
+        full = (f"f32[{pack.rows * pack.length},{v}]", f"f32[{pack.rows},{pack.length},{v}]")
+        assert not any(s in text for s in full), p.name
+        assert f"f32[{pack.rows * pack.length},512]" in text  # one chunk's logits
