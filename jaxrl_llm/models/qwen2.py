@@ -27,11 +27,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models import quant
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.moe import SparseMoeBlock, load_balancing_loss
+from jaxrl_llm.models.remat import remat_policy
 from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -199,9 +201,10 @@ class Attention(nnx.Module):
     def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
         """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], with RoPE applied to q and k."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        # Tagged for the remat policies (models/remat.py), as every saveable activation of the layer.
+        q = checkpoint_name(self.q_proj(x), "q_proj").reshape(b, t, self.num_heads, self.head_dim)
+        k = checkpoint_name(self.k_proj(x), "k_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = checkpoint_name(self.v_proj(x), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -220,7 +223,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(f, d, use_bias=False, cfg=cfg, rngs=rngs, name="down_proj")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, F]
+        gate, up = checkpoint_name(self.gate_proj(x), "gate_proj"), checkpoint_name(self.up_proj(x), "up_proj")
+        h = jax.nn.silu(gate) * up  # [B, T, F]
         h = sharding.constrain(h, ("batch", "length", "act_mlp"))
         return self.down_proj(h)
 
@@ -239,8 +243,9 @@ class DecoderLayer(nnx.Module):
         self-attention over the same T tokens. `valid` [B, T] marks the tokens the router stats count
         (None: all); `replay` [B, T, k] are expert ids to replay (`moe.route`)."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
-        out = dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=self.self_attn.impl)
-        x = x + self.self_attn.output(out)
+        out = checkpoint_name(dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=self.self_attn.impl),
+                              "attention")
+        x = x + checkpoint_name(self.self_attn.output(out), "o_proj")
         y = self.post_attention_layernorm(x)
         aux = None
         if isinstance(self.mlp, SparseMoeBlock):
@@ -250,20 +255,6 @@ class DecoderLayer(nnx.Module):
             y = self.mlp(y)
         x = sharding.constrain(x + y, ("batch", "length", "act_embed"))
         return x, aux
-
-
-def _dots_and_attention_saveable(prim, *args, **params) -> bool:
-    """Matmul outputs without batch dims (`dots_with_no_batch_dims_saveable`) and the outputs of cuDNN's
-    attention forward (its output and softmax statistics): the backward pass then runs no forward
-    attention again. XLA's attention is made of batched dots, which this saves as before: nothing."""
-    return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-            or prim.name.startswith("dot_product_attention_fwd"))
-
-
-_REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": _dots_and_attention_saveable,
-}
 
 
 class DecoderModel(nnx.Module):
@@ -343,7 +334,7 @@ class DecoderModel(nnx.Module):
                 return layer(h, cos, sin, mask=mask, lengths=lengths, valid=valid, replay=xs[1])
 
             if cfg.remat != "none":
-                body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+                body = jax.checkpoint(body, policy=remat_policy(cfg.remat), prevent_cse=False)
             x, aux = jax.lax.scan(body, x, (layer_state, run_replay))
             if aux is not None:
                 run_stats, run_experts = aux

@@ -30,7 +30,9 @@ class ModelConfig:
     tokenizer_path: str | None = None  # a HF tokenizer dir (default: model.path)
     dtype: str = "bfloat16"  # the compute dtype (and the export's default)
     param_dtype: str = "float32"  # the master weights' dtype
-    remat: str = "auto"  # "auto": "dots" when the device has the memory for it, else "full"
+    # "auto": the policy with the least recompute whose update fits the device (models/remat.py: "dots", ...,
+    # "full"), or one by name
+    remat: str = "auto"
     attention_impl: str = "auto"  # 'auto' (cuDNN flash attention on GPUs), 'cudnn' or 'xla'
     critic_path: str | None = None  # defaults to `path` (veRL initialises the critic from the actor)
     overrides: dict | None = None  # Qwen2Config fields to change (e.g. a smaller vocab for a preset)
@@ -52,8 +54,10 @@ class ModelConfig:
                "set exactly one: a HF model dir (or hub id) in `path`, or a random-init `preset`")
         _check(self.preset is None or self.preset in PRESETS, "model.preset",
                f"unknown preset {self.preset!r}; known: {sorted(PRESETS)}")
-        _check(self.remat in ("auto", "none", "full", "dots"), "model.remat",
-               f"{self.remat!r}; use 'auto', 'none', 'full' or 'dots'")
+        from jaxrl_llm.models.remat import POLICIES
+
+        _check(self.remat == "auto" or self.remat in POLICIES, "model.remat",
+               f"{self.remat!r}; use 'auto' or one of {POLICIES} (models/remat.py)")
         self._validate_lora()
 
     def _validate_lora(self):

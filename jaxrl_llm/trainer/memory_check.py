@@ -17,12 +17,14 @@ Resident: the trainers' params, optimizer states and frozen bases, the reference
 unless offloaded), and the engine's weights and KV pool, each except where the run releases it
 (`rollout.free_cache_engine` drops both for the updates; a sync drops the old weights first).
 
-Automatic settings: `model.remat='auto'` takes "dots" where its update fits in `AUTO_SHARE` of the limit
-(the arithmetic first pass, trainer/memory.py, skips a "dots" that cannot fit without compiling it), else
-"full"; `rollout.log_prob_max_token_len_per_gpu = None` takes twice the update's budget where that pass
-fits, else the update's; `rollout.fuse_log_prob_passes` is turned off where only the two passes apart fit. A
-program that fits no choice in `FIT_SHARE` of the limit stops the run before any work, with one
-DeviceMemoryError naming the program, its sizes and the keys that shrink it.
+Automatic settings: `model.remat='auto'` takes the first policy of `AUTO_LADDER` (models/remat.py: "dots",
+"mlp_gate", "attention_block", "attention", "full": the least recompute first) whose update fits in
+`AUTO_SHARE` of the limit (the arithmetic first pass, trainer/memory.py, skips without compiling them the
+policies that cannot fit), the last one ("full") where none does; `rollout.log_prob_max_token_len_per_gpu =
+None` takes twice the update's budget where that pass fits, else the update's; `rollout.fuse_log_prob_passes`
+is turned off where only the two passes apart fit. A program that fits no choice in `FIT_SHARE` of the limit
+stops the run before any work, with one DeviceMemoryError naming the program, its sizes and the keys that
+shrink it.
 
 The limit is `train.device_memory_limit_bytes`, else what XLA may use on the device (`bytes_limit`). A CPU
 reports none, so CPU runs skip the check unless that key sets one (the tests do); XLA:CPU's analysis
@@ -45,6 +47,7 @@ import time
 
 from jaxrl_llm import distributed
 from jaxrl_llm.errors import DeviceMemoryError
+from jaxrl_llm.models.remat import AUTO_LADDER
 from jaxrl_llm.trainer import memory
 from jaxrl_llm.trainer.memory_programs import ProgramMemory, StepPrograms, size
 
@@ -117,8 +120,9 @@ def plan(run, cfg, build, *, auto_remat: bool = True) -> MemoryPlan:
     auto_remat = auto_remat and run.model.remat == "auto"
     w = build(run, cfg)
     remats = [cfg.remat]
-    if auto_remat and memory.first_pass_remat(run, cfg, w.mesh.shape, w.lora, limit) == "dots":
-        remats = ["dots", "full"]
+    if auto_remat:  # down the ladder from the estimate's first fit (models/remat.py)
+        first = memory.first_pass_remat(run, cfg, w.mesh.shape, w.lora, limit)
+        remats = list(AUTO_LADDER[AUTO_LADDER.index(first):])
     built = {cfg.remat: StepPrograms(w, limit)}  # by remat: a candidate's abstract worker is built once
     progs = built[cfg.remat]
     # What stays resident alone (exact from the states' shapes): refused here without compiling anything.
