@@ -354,6 +354,9 @@ class TrainerConfig:
     # Compile the update and log-prob passes at every micro-batch shape a step can meet (trainer/warm_programs.py)
     # while the worker starts, so that no later step compiles. None: on where the devices are not the CPU.
     compile_ahead: bool | None = None
+    # XLA's GPU options that overlap FSDP's collectives with compute (jaxrl_llm/xla_flags.py), added to XLA_FLAGS
+    # before the backend starts; a flag XLA_FLAGS sets already keeps its value. No effect off a GPU.
+    xla_gpu_overlap: bool = False
     dump_batches: bool = False  # save every step's training batch under <run_dir>/batches
     replay_batches_from: str | None = None  # a dir of dumped batches to train on instead of generating
     peak_tflops: float | None = None  # per device, for perf/mfu (default: a table by device kind)
