@@ -416,7 +416,8 @@ class RLTrainer:
                                       max_prompt_length=run.data.max_prompt_length, use_critic=run.algo.uses_critic))
         metrics.update(timer.metrics(float(np.sum(batch.prompt_lengths + batch.response_lengths))))
         metrics.update(M.perf_metrics(timer.times, batch, self.model_cfg, ppo_epochs=run.actor.ppo_epochs,
-                                      n_devices=self.n_devices, peak=self.peak))
+                                      n_devices=self.n_devices, peak=self.peak,
+                                      log_prob_passes=self.needs_old + self.needs_ref + run.algo.uses_critic))
         metrics["training/global_step"] = step + 1
         metrics["training/epoch"] = self.iterator.epoch
         return metrics
