@@ -11,12 +11,20 @@ The reference model is not saved: it is re-derived from the model source at star
 Orbax writes each step into a temporary directory and renames it when complete, so a run killed
 mid-save leaves no half checkpoint behind. A latest checkpoint that is still unreadable (a truncated
 or corrupted file) is skipped with a warning, and the run resumes from the one before.
+
+Saves are asynchronous: `save` copies the states to host memory and returns, and Orbax's thread writes them
+while the next steps run (the 7B full state is ~91 GB). A later save, and the run's end (`wait`), first wait
+for the one in flight. Rotation keeps the newest `max_to_keep`; Orbax deletes the oldest only once the new one
+has committed, so the disk holds max_to_keep + 1 checkpoints while a save is in flight. Each save logs and
+returns what the committed checkpoints take on disk (`usage`), and warns when the free space cannot hold
+another checkpoint of the newest one's size.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 import types
 
@@ -118,8 +126,28 @@ class RunCheckpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, *, actor, meta: dict, critic=None) -> None:
-        """Starts an (async) save; `wait()` blocks until it is committed."""
+    def usage(self) -> dict[str, float]:
+        """What the committed checkpoints take on disk (perf/ metrics: the machine's, not the computation's):
+        the newest one's GB, all kept ones' GB and count, and the GB free on the checkpoint dir's disk."""
+        sizes = {s: _dir_bytes(os.path.join(self.directory, str(s))) for s in self.steps()
+                 if os.path.isdir(os.path.join(self.directory, str(s)))}  # a step in flight has a temporary name
+        return {"perf/checkpoint_last_gb": sizes[max(sizes)] / 1e9 if sizes else 0.0,
+                "perf/checkpoint_kept_gb": sum(sizes.values()) / 1e9, "perf/checkpoint_kept": float(len(sizes)),
+                "perf/disk_free_gb": shutil.disk_usage(self.directory).free / 1e9}
+
+    def save(self, step: int, *, actor, meta: dict, critic=None) -> dict[str, float]:
+        """Starts an async save once the previous one has committed (Orbax waits for it too); `wait()` blocks until
+        this one is committed. Returns `usage()` of the checkpoints committed before it."""
+        self.wait()
+        usage = self.usage()
+        last, free = usage["perf/checkpoint_last_gb"], usage["perf/disk_free_gb"]
+        if distributed.is_main():
+            log.info("checkpoints in %s: %d kept, %.2f GB (the newest %.2f GB); %.1f GB free; saving step %d",
+                     self.directory, usage["perf/checkpoint_kept"], usage["perf/checkpoint_kept_gb"], last, free, step)
+            if last > free:
+                log.warning("checkpoint step %d may not fit: %.1f GB free in %s, and the newest checkpoint took %.2f "
+                            "GB (the oldest is deleted only after the new one commits). Free disk space, lower "
+                            "train.max_checkpoints_to_keep or move train.run_dir", step, free, self.directory, last)
         items = {"actor": ocp.args.StandardSave(actor), "meta": ocp.args.JsonSave(meta)}
         if critic is not None:
             items["critic"] = ocp.args.StandardSave(critic)
@@ -130,6 +158,7 @@ class RunCheckpointer:
                 f"saving checkpoint step {step} in {self.directory} failed ({e}); the earlier checkpoints "
                 f"{self.steps()} are intact. Free disk space or fix the permissions of train.run_dir, then "
                 "rerun: the run resumes from the last good checkpoint") from None
+        return usage
 
     def wait(self) -> None:
         try:
@@ -188,6 +217,11 @@ class RunCheckpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _dir_bytes(path: str) -> int:
+    """Bytes of every file under `path`."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def resolve_resume(resume_mode: str, run_dir: str) -> tuple[str | None, int | None]:

@@ -79,10 +79,13 @@ def _visits(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, ja
     return jnp.where(group < e, tile, 0), group
 
 
-def _gmm_kernel(tile_ref, group_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, *, block_m, block_n,
+def _gmm_kernel(tile_ref, group_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *refs, block_m, block_n,
                 block_k, transpose_rhs, precision):
     """One (visit, N block). tile_ref, group_ref [V]; starts_ref, ends_ref [E + 1]; lhs_ref [M, C];
-    rhs_ref [E, C, N] (or [E, N, C] when transpose_rhs); out_ref [M, N]."""
+    rhs_ref [E, C, N] (or [E, N, C] when transpose_rhs), or [L, E, C, N] with a layer_ref [1] naming the layer
+    (the engine reading a stack of layers' experts in place); out_ref [M, N]."""
+    *layer_ref, out_ref = refs
+    at = (layer_ref[0][0],) if layer_ref else ()  # the layer's index in a stacked rhs
     v, j = pl.program_id(0), pl.program_id(1)
     tile, group = tile_ref[v], group_ref[v]
     lo, hi = starts_ref[group], ends_ref[group]
@@ -93,17 +96,17 @@ def _gmm_kernel(tile_ref, group_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out
     first = tile * block_m
     overlap = (lo < hi) & (lo < first + block_m) & (hi > first)  # (Triton has no reduce_or for any(valid))
     steps = overlap.astype(jnp.int32) * (contraction // block_k)  # (a select gives scf.for mixed types)
-    g = jnp.minimum(group, rhs_ref.shape[0] - 1)
+    g = jnp.minimum(group, rhs_ref.shape[len(at)] - 1)
     cols = pl.ds(j * block_n, block_n)
 
     def body(i, acc):
         ks = pl.ds(i * block_k, block_k)
         a = pltriton.load(lhs_ref.at[rows, ks], mask=valid[:, None], other=0)  # [bm, bk]
         if transpose_rhs:
-            b = pltriton.load(rhs_ref.at[g, cols, ks])  # [bn, bk]
+            b = pltriton.load(rhs_ref.at[(*at, g, cols, ks)])  # [bn, bk]
             dims = (((1,), (1,)), ((), ()))
         else:
-            b = pltriton.load(rhs_ref.at[g, ks, cols])  # [bk, bn]
+            b = pltriton.load(rhs_ref.at[(*at, g, ks, cols)])  # [bk, bn]
             dims = (((1,), (0,)), ((), ()))
         return acc + lax.dot_general(a, b.astype(a.dtype), dims, precision=precision,
                                      preferred_element_type=jnp.float32)
@@ -146,9 +149,9 @@ def _pad_rows(x: jax.Array, block_m: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_rhs", "block_m", "interpret"))
-def _gmm(lhs, rhs, group_sizes, *, transpose_rhs: bool, block_m: int, interpret: bool):
+def _gmm(lhs, rhs, group_sizes, layer=None, *, transpose_rhs: bool, block_m: int, interpret: bool):
     m, c = lhs.shape
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
     block_n, block_k = _block(n, 128), _block(c, 64)
     x = _pad_rows(lhs, block_m)
     tile, group = _visits(group_sizes, x.shape[0], block_m)
@@ -156,17 +159,18 @@ def _gmm(lhs, rhs, group_sizes, *, transpose_rhs: bool, block_m: int, interpret:
     starts, ends = jnp.append(starts, 0), jnp.append(ends, 0)  # group E: the empty visits
     kernel = functools.partial(_gmm_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
                                transpose_rhs=transpose_rhs, precision=lax.Precision.DEFAULT)
+    layers = () if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1),)
     out = pl.pallas_call(
         kernel,
         grid=(tile.shape[0], n // block_n),
         in_specs=[_full(tile.shape), _full(group.shape), _full(starts.shape), _full(ends.shape), _full(x.shape),
-                  _full(rhs.shape)],
+                  _full(rhs.shape)] + [_full((1,))] * len(layers),
         out_specs=_full((x.shape[0], n)),
         out_shape=jax.ShapeDtypeStruct((x.shape[0], n), lhs.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name="grouped_matmul",
-    )(tile, group, starts, ends, x, rhs)[:m]
+    )(tile, group, starts, ends, x, rhs, *layers)[:m]
     total = jnp.sum(group_sizes)
     return jnp.where((jnp.arange(m) < total)[:, None], out, 0)  # unwritten rows (past the groups) -> 0
 
@@ -214,7 +218,7 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, impl: str = "auto",
-                   block_m: int | None = None) -> jax.Array:
+                   block_m: int | None = None, layer: int | None = None) -> jax.Array:
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` for MoE experts, differentiable.
 
     Args:
@@ -222,13 +226,16 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, im
       impl: 'pallas' (the Triton kernels; interpreted off the GPU), 'xla' (`jax.lax.ragged_dot`), or
         'auto': the kernels on a GPU when `supported(C, N)`, else XLA.
       block_m: the kernels' row tile (a power of two >= 16); default `default_block_m`.
+      layer: rhs is a stack of layers' experts [L, E, C, N] and this layer's are used, read in place by the
+        kernel (no copy of the layer's slice); forward only (the sampler's).
     Returns:
       [M, N] in lhs's dtype; rows past sum(group_sizes) are 0 with the kernels.
     """
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"grouped_matmul impl={impl!r}: use 'auto', 'pallas' or 'xla'")
     _, c = lhs.shape
-    e, c2, n = rhs.shape
+    stack, rhs_one = rhs, (rhs if layer is None else rhs[layer])
+    e, c2, n = rhs_one.shape
     if c2 != c or group_sizes.shape != (e,):
         raise ValueError(f"grouped_matmul: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape} "
                          "do not fit [M, C] x [E, C, N] with [E] group sizes")
@@ -236,8 +243,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, im
     if impl == "auto":
         impl = "pallas" if on_gpu and supported(c, n) else "xla"
     if impl == "xla":
-        return lax.ragged_dot(lhs, rhs, group_sizes)
+        return lax.ragged_dot(lhs, rhs_one, group_sizes)
     if not supported(c, n):
         raise ValueError(f"grouped_matmul impl='pallas': C={c} and N={n} must be multiples of {MIN_DIM}")
     bm = block_m or default_block_m(lhs.shape[0], e)
+    if layer is not None:
+        if stack.dtype != lhs.dtype:
+            raise ValueError(f"grouped_matmul layer={layer}: the stacked experts ({stack.dtype}) must be in lhs's "
+                             f"dtype ({lhs.dtype}) to be read in place")
+        return _gmm(lhs, stack, group_sizes.astype(jnp.int32), layer, transpose_rhs=False, block_m=bm,
+                    interpret=not on_gpu)
     return _grouped(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), bm, not on_gpu)

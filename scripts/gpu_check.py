@@ -1,15 +1,17 @@
 """The GPU check: the recorded headline configs against their figures for this device kind, in one command.
 
-    python scripts/gpu_check.py [--configs e2e_7b_lora32,e2e_1p5b,...] [--budget_s 570] [--record]
+    python scripts/gpu_check.py [--configs e2e_7b_lora32,e2e_1p5b,...] [--budget_s S] [--record] [--out_dir DIR]
     python scripts/gpu_check.py --merge A.json B.json        # one report from two calls (no GPU needed)
 
 Runs each config of `jaxrl_llm/bench/check.py` (a list of benchmark sections) in a child process with a
-timeout, in order, while the time budget lasts, sharing one persistent compilation cache; compares each
-figure with benchmarks/baselines.json for this device kind (ok: ran, no out-of-memory or error, at most 10%
-worse); writes benchmarks/runs/<date>/gpu_check_<commit>_<device>.json ({"meta": {date, device, commit}, "results":
-[{config, figure, recorded, ratio, ok}, ...]}), and a copy with the configs' logs under $OUT when it is set.
-Exits 1 when a row is not ok. Run it before closing an issue that changes rollout, trainer, models,
-algorithms or kernels, and give its result in the closing note.
+timeout, in order, while the time budget lasts (default: every config's timeout added up, so that all of them
+start; a call limited in time passes less, and the configs it does not reach are "not run"), sharing one
+persistent compilation cache; compares each figure with benchmarks/baselines.json for this device kind; writes
+benchmarks/runs/<date>/gpu_check_<commit>_<device>.json ({"meta": {date, device, commit}, "results":
+[{config, figure, recorded, ratio, status, ok}, ...]}), and with --out_dir a copy of it and the configs' logs there.
+Exits 0 when every row is ok, 1 on a regression or an error, 3 when none failed but some were not run or had no
+baseline for this device (not a pass: run the rest, or --record). Run it before closing an issue that changes
+rollout, trainer, models, algorithms or kernels, and give its result in the closing note.
 """
 
 from __future__ import annotations
@@ -29,17 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=",".join(check.DEFAULT),
                     help=f"comma-separated, of {[c.name for c in check.CONFIGS]}")
-    ap.add_argument("--budget_s", type=float, default=570.0, help="start no config that would end past this")
+    ap.add_argument("--budget_s", type=float, default=None,
+                    help="start no config that would end past this (default: every config's timeout added up)")
     ap.add_argument("--compile_cache", default="/tmp/gpu_check_xla_cache", help="shared by the configs")
     ap.add_argument("--work_dir", default="/tmp/gpu_check", help="each config's rows and log")
     ap.add_argument("--record", action="store_true", help="write this run's figures into benchmarks/baselines.json "
                     "where this device kind has none")
     ap.add_argument("--merge", nargs="+", metavar="REPORT", help="merge reports of one device and commit, then exit")
+    ap.add_argument("--out_dir", default=None, help="also copy the report and the configs' logs here")
     args = ap.parse_args(argv)
     if args.merge:
         merged = check.merge(args.merge)
         print(check.write_report(merged["results"], merged["meta"]["device"], meta=merged["meta"]))
-        return 0 if all(r["ok"] for r in merged["results"]) else 1
+        return check.verdict(merged["results"])[0]
     names = args.configs.split(",")
     unknown = sorted(set(names) - {c.name for c in check.CONFIGS})
     if unknown:
@@ -49,15 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     device, results = check.check(names, out_dir=args.work_dir, budget_s=args.budget_s,
                                   compile_cache=args.compile_cache, baselines=baselines)
     path = check.write_report(results, device)
+    recorded = []
     if args.record:
-        print("recorded:", check.record(results, device, baselines, path,
-                                        meta=check.load_report(path)["meta"]))
-    if os.environ.get("OUT"):
-        shutil.copy(path, os.environ["OUT"])
-        shutil.copytree(args.work_dir, os.path.join(os.environ["OUT"], "gpu_check_runs"), dirs_exist_ok=True,
+        recorded = check.record(results, device, baselines, path, meta=check.load_report(path)["meta"])
+        print("recorded:", recorded)
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        shutil.copy(path, args.out_dir)
+        shutil.copytree(args.work_dir, os.path.join(args.out_dir, "gpu_check_runs"), dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.jsonl"))
-    print(json.dumps({"report": path, "ok": sum(r["ok"] for r in results), "rows": len(results)}))
-    return 0 if all(r["ok"] for r in results) else 1
+    # A figure recorded now is this device's baseline from now on: it passes this call.
+    code, counts = check.verdict([{**r, "status": check.OK} if r["config"] in recorded else r for r in results])
+    print(json.dumps({"report": path, "ok": sum(r["ok"] for r in results), "rows": len(results), "status": counts,
+                      "exit": code}))
+    return code
 
 
 if __name__ == "__main__":

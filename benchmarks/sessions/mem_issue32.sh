@@ -14,11 +14,11 @@ CACHE=/tmp/issue32_xla_cache  # one persistent compilation cache for every call 
 case "${1:?phase}" in
   check)
     python3 scripts/gpu_check.py --budget_s "${BUDGET_S:-540}" --compile_cache "$CACHE" ${RECORD:+--record} \
-      2>&1 | tee "$OUT/gpu_check.log" | grep -E '^gpu_check|"report"' | cut -c1-400
+      --out_dir "$OUT" 2>&1 | tee "$OUT/gpu_check.log" | grep -E '^gpu_check|"report"' | cut -c1-400
     ;;
   check_rest)
     python3 scripts/gpu_check.py --configs "${CONFIGS:-e2e_qwen3_1p7b,gen_qwen3_8b}" --budget_s "${BUDGET_S:-540}" \
-      --compile_cache "$CACHE" ${RECORD:+--record} 2>&1 | tee "$OUT/gpu_check_rest.log" \
+      --compile_cache "$CACHE" ${RECORD:+--record} --out_dir "$OUT" 2>&1 | tee "$OUT/gpu_check_rest.log" \
       | grep -E '^gpu_check|"report"' | cut -c1-400
     ;;
   matrix)

@@ -19,7 +19,7 @@ for phase in ${PHASES:-moe_ep lora_sync}; do
       done ;;
     lora_sync)
       JAX_PLATFORMS= timeout 300 python3 -m jaxrl_llm.bench --sections lora_sync --engines jax --presets ${SYNC_PRESET:-qwen2p5_3b} --lora_rank 32 \
-        --repeats 3 > "$OUT/lora_sync.log" 2>&1
+        --repeats 3 --out "$OUT" > "$OUT/lora_sync.log" 2>&1
       echo "rc=$?"; grep -E 'median|setup|Error' "$OUT/lora_sync.log" | cut -c1-300 ;;
     lora_x2)
       run e2e_7b_lora32_fsdp2 "${T1:-560}" python3 -m jaxrl_llm.bench --sections e2e --remat auto --token_budget 16384 \

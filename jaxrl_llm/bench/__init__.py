@@ -15,6 +15,7 @@ function in the module of its kind (or a new module, then import it here), emit 
   train         train, e2e, profile_update
   memory        memory (XLA's compiled memory of a run's step, the memory matrix)
   weights       sync, weights_checkpoint, weight_path
+  state_checkpoint  checkpoint (the trainer's full-state checkpoint: the step's wait, the async write, restore)
   sync_split    sync_split (async training's weight sync, training mesh -> rollout mesh on other devices)
   sync_processes  sync_processes (the same from a training process to a rollout process; under the launcher)
   async_rl      async_longtail (one_step_off and fully_async against the synchronous step, long-tailed lengths)
@@ -36,6 +37,7 @@ from jaxrl_llm.bench import (  # noqa: F401  (each registers its sections)
     paged_kernel,
     quant,
     shards,
+    state_checkpoint,
     sync_processes,
     sync_split,
     tools,

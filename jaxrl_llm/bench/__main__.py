@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxrl_llm.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", required=True, help="comma-separated section names, or 'list'")
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"), help="the results' directory")
+    ap.add_argument("--out", default="/tmp/bench_out", help="the results' directory")
     ap.add_argument("--small", action="store_true", help="tiny shapes, to check a section on a CPU")
     ap.add_argument("--small_preset", default="tiny", help="--small: the tiny preset (tiny, or tiny_moe for a MoE)")
     ap.add_argument("--compile_cache", default="", help="JAX's persistent compilation cache dir ('' = off)")

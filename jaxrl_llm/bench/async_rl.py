@@ -19,8 +19,9 @@ in the same order to every mode, with EOS off so every row runs to its length.
                 --staleness, a sync every half step (trigger_parameter_sync_step 2)
 
 A row a step (wall, samples/s, the trainer's wait for rollouts and its share of the step, staleness, partial
-ratio, compile seconds), then a summary a mode over the steps from 2 on: median samples/s, its ratio to sync's,
-and the wait share. Targets (issue 30, 4 GPUs): one_step_off >= 1.25x, fully_async >= 1.6x, wait <= 15%.
+ratio, compile seconds), then a summary a mode over the steps from 2 on: median samples/s, its ratio to sync's
+(only where both modes have such steps), and the wait share. Targets (issue 30, 4 GPUs): one_step_off >= 1.25x,
+fully_async >= 1.6x, wait <= 15%.
 """
 
 from __future__ import annotations
@@ -66,25 +67,40 @@ def async_longtail(opts):
             emit(**mine)
 
 
+STEADY_FROM = 2  # the steps a summary counts: from this one on (step 0 compiles; step 1 can still load programs)
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """A summary row per (preset, lengths, devices, mode) of `async_longtail` step rows, of one run or of several
-    (a mode a process: at cap 8,192 one mode takes about a 10-minute call): the median over the steps from 2 on
-    of samples/s, wall and wait share, and samples/s against sync's of the same preset, lengths and devices."""
+    (a mode a process: at cap 8,192 one mode takes about a 10-minute call): the median over the steady steps (from
+    STEADY_FROM on) of samples/s, wall and wait share, and samples/s against sync's of the same preset, lengths
+    and devices. A mode with no steady step gets no figures, and no ratio is computed unless both modes have
+    steady steps: a compiling step 0 against a steady step is no comparison. `note` says what is missing."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("section") == "async_longtail":
             groups.setdefault((r["preset"], r.get("lengths", "long"), r["devices"], r["mode"]), []).append(r)
-    steady = {key: [r for r in rs if r["step"] >= 2] or rs for key, rs in groups.items()}
-    rate = {key: float(np.median([r["samples_per_s"] for r in rs])) for key, rs in steady.items()}
+    steady = {key: [r for r in rs if r["step"] >= STEADY_FROM] for key, rs in groups.items()}
+    rate = {key: float(np.median([r["samples_per_s"] for r in rs])) for key, rs in steady.items() if rs}
     out = []
     for key, rs in steady.items():
         preset, lengths, devices, mode = key
-        sync = rate.get((preset, lengths, devices, "sync"))
-        out.append(dict(section="async_longtail_summary", preset=preset, mode=mode, lengths=lengths,
-                        rollout_gpus=rs[0]["rollout_gpus"], devices=devices, steady_steps=len(rs),
-                        samples_per_s=rate[key], vs_sync=rate[key] / sync if sync else None,
-                        wait_share=float(np.median([r["wait_share"] for r in rs])),
-                        wall_s=float(np.median([r["wall_s"] for r in rs]))))
+        sync_key = (preset, lengths, devices, "sync")
+        row = dict(section="async_longtail_summary", preset=preset, mode=mode, lengths=lengths,
+                   rollout_gpus=groups[key][0]["rollout_gpus"], devices=devices, steps=len(groups[key]),
+                   steady_steps=len(rs), samples_per_s=rate.get(key), vs_sync=None, wait_share=None, wall_s=None)
+        if rs:
+            row.update(wait_share=float(np.median([r["wait_share"] for r in rs])),
+                       wall_s=float(np.median([r["wall_s"] for r in rs])))
+        if not rs:
+            row["note"] = f"no steady step (steps from {STEADY_FROM} on): run --steps {STEADY_FROM + 1} or more"
+        elif sync_key not in groups:
+            row["note"] = "no sync run of this preset, lengths and devices to compare with"
+        elif sync_key not in rate:
+            row["note"] = f"vs_sync needs steady steps in both modes; sync has none (steps from {STEADY_FROM} on)"
+        else:
+            row["vs_sync"] = rate[key] / rate[sync_key]
+        out.append(row)
     return out
 
 

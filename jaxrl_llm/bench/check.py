@@ -1,11 +1,16 @@
 """The GPU check: the recorded headline configs, each a list of benchmark sections run in a child process
 with a timeout, compared with the figures recorded for this device kind in benchmarks/baselines.json.
 
-A result row is {config, figure, recorded, ratio, ok} (plus unit, source and error): `figure` is the measured
-value, `ratio` figure / recorded (time: higher is slower), and `ok` is False on an out-of-memory, an error, a
-missing row, or a figure more than `tolerance` (10%) worse than recorded. A figure with nothing recorded for
-the device kind is ok when it was measured (ratio None); `--record` writes such figures into the baselines.
-One config failing does not stop the others.
+A result row is {config, figure, recorded, ratio, status, ok} (plus unit, source, error and note): `figure` is the
+measured value, `ratio` figure / recorded (time: higher is slower), and `status` one of
+  "ok"           measured, at most `tolerance` (10%) worse than recorded;
+  "regression"   measured, more than `tolerance` worse;
+  "error"        an out-of-memory, an error, a timeout or a missing row;
+  "not run"      the time budget ran out before its config started (a second call runs it);
+  "no baseline"  measured, but nothing is recorded for this device kind to compare with (`--record` adds it).
+`ok` is status == "ok". `verdict` turns the rows into the exit code: 0 when every row is ok, 1 on a regression or
+an error, 3 when none failed but some were not run or had no baseline (not a pass). One config failing does not
+stop the others.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class Figure:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One child process: `python -m jaxrl_llm.bench *args`, its figures, and its expected seconds on a cold
-    compilation cache (what the time budget plans with; the timeout is 1.5 times it)."""
+    compilation cache (what the time budget plans with; the timeout is TIMEOUT_FACTOR times it)."""
 
     name: str
     args: tuple[str, ...]
@@ -63,6 +68,7 @@ CONFIGS = (  # the order they run in: the 7B LoRA step first (issue 32's regress
            (Figure("gen_7b_seed_share_s", {"section": "gen", "rep": 1}, "seconds"),), 200),
 )
 DEFAULT = ("e2e_7b_lora32", "e2e_1p5b", "moe_update", "e2e_qwen3_1p7b", "gen_qwen3_8b")
+TIMEOUT_FACTOR = 1.5  # a config's timeout: this times its expected seconds
 
 
 def load_baselines(path: str = BASELINES) -> dict:
@@ -79,20 +85,56 @@ def find(rows: list[dict], fig: Figure):
     return None, (errors[0] if errors else f"no row with {fig.row} and {fig.key!r}")
 
 
-def compare(fig: Figure, value, error, device: str, baselines: dict, source_run: str) -> dict:
-    """One result row: the measured figure against the recorded one for `device`."""
+OK, REGRESSION, ERROR, NOT_RUN, NO_BASELINE = "ok", "regression", "error", "not run", "no baseline"
+EXIT_OK, EXIT_FAILED, EXIT_INCOMPLETE = 0, 1, 3
+
+
+def _row(fig: Figure, value, device: str, baselines: dict, source_run: str, status: str, **extra) -> dict:
     spec = baselines["figures"].get(fig.name, {})
     rec = spec.get("recorded", {}).get(device)
-    row = {"config": fig.name, "figure": value, "recorded": rec["value"] if rec else None, "ratio": None,
-           "unit": spec.get("unit", "s"), "run": source_run}
+    return {"config": fig.name, "figure": value, "recorded": rec["value"] if rec else None, "ratio": None,
+            "unit": spec.get("unit", "s"), "run": source_run, "status": status, "ok": status == OK, **extra}
+
+
+def compare(fig: Figure, value, error, device: str, baselines: dict, source_run: str) -> dict:
+    """One result row: the measured figure against the recorded one for `device`."""
     if error is not None or value is None:
-        return {**row, "ok": False, "error": str(error)[:500]}
+        return _row(fig, value, device, baselines, source_run, ERROR, error=str(error)[:500])
+    spec = baselines["figures"].get(fig.name, {})
+    rec = spec.get("recorded", {}).get(device)
     if rec is None:
-        return {**row, "ok": True, "note": f"nothing recorded for {device}"}
+        return _row(fig, value, device, baselines, source_run, NO_BASELINE,
+                    note=f"nothing recorded for {device}: measured, not compared (--record adds it)")
     ratio = value / rec["value"]
     worse = ratio > 1 + baselines["tolerance"] if spec.get("better", "lower") == "lower" else \
         ratio < 1 - baselines["tolerance"]
-    return {**row, "ratio": round(ratio, 3), "ok": not worse, "source": rec.get("source")}
+    return {**_row(fig, value, device, baselines, source_run, REGRESSION if worse else OK), "ratio": round(ratio, 3),
+            "source": rec.get("source")}
+
+
+def not_run(fig: Figure, reason: str, device: str, baselines: dict, source_run: str) -> dict:
+    """The row of a figure whose config was not started: neither a pass nor a failure."""
+    return _row(fig, None, device, baselines, source_run, NOT_RUN, note=reason)
+
+
+def status_of(row: dict) -> str:
+    """A row's status; reports written before rows had one say only `ok` (and "not run: ..." in `error`)."""
+    if "status" in row:
+        return row["status"]
+    if row.get("ok"):
+        return OK
+    return NOT_RUN if str(row.get("error", "")).startswith("not run") else ERROR
+
+
+def verdict(results: list[dict]) -> tuple[int, dict[str, int]]:
+    """(exit code, rows by status): 0 every row ok; 1 a regression or an error; 3 none failed, but a row was not
+    run or had nothing to compare with (no pass either: a check with no rows is incomplete too)."""
+    counts: dict[str, int] = {}
+    for row in results:
+        counts[status_of(row)] = counts.get(status_of(row), 0) + 1
+    if counts.get(REGRESSION) or counts.get(ERROR):
+        return EXIT_FAILED, counts
+    return (EXIT_OK if results and counts.get(OK) == len(results) else EXIT_INCOMPLETE), counts
 
 
 def run_config(cfg: Config, out_dir: str, timeout_s: float, compile_cache: str):
@@ -125,21 +167,29 @@ def gpu_name() -> str:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
-def check(names, *, out_dir: str, budget_s: float, compile_cache: str, baselines: dict) -> tuple[str, list[dict]]:
-    """Runs the configs `names` in order within `budget_s` seconds; (the device kind, the result rows of all
-    their figures)."""
+def default_budget_s(names) -> float:
+    """Time for every config of `names` to run to its timeout (1.5 times its expected seconds): a call with the
+    default budget starts every config it was given."""
+    return sum(TIMEOUT_FACTOR * c.expected_s for c in CONFIGS if c.name in names)
+
+
+def check(names, *, out_dir: str, budget_s: float | None, compile_cache: str,
+          baselines: dict) -> tuple[str, list[dict]]:
+    """Runs the configs `names` in order within `budget_s` seconds (None: `default_budget_s`); (the device kind, the
+    result rows of all their figures)."""
+    budget_s = default_budget_s(names) if budget_s is None else budget_s
     t_end = time.monotonic() + budget_s
     device, results = gpu_name(), []
     for cfg in (c for c in CONFIGS if c.name in names):
         left = t_end - time.monotonic()
         if left < cfg.expected_s:
             for fig in cfg.figures:
-                results.append(compare(fig, None, f"not run: {left:.0f} s of the time budget left, it takes about "
-                                                  f"{cfg.expected_s:.0f} s (run it alone with --configs {cfg.name})",
+                results.append(not_run(fig, f"{left:.0f} s of the time budget left, it takes about "
+                                            f"{cfg.expected_s:.0f} s (run it alone with --configs {cfg.name})",
                                        device, baselines, cfg.name))
             continue
         t0 = time.monotonic()
-        rows, kind, error = run_config(cfg, out_dir, min(1.5 * cfg.expected_s, left), compile_cache)
+        rows, kind, error = run_config(cfg, out_dir, min(TIMEOUT_FACTOR * cfg.expected_s, left), compile_cache)
         device = kind or device
         print(f"gpu_check: {cfg.name} in {time.monotonic() - t0:.0f} s{f' ({error})' if error else ''}", flush=True)
         for fig in cfg.figures:
@@ -208,7 +258,8 @@ def record(results: list[dict], device: str, baselines: dict, report: str, path:
     added = []
     for row in results:
         spec = baselines["figures"].get(row["config"])
-        if spec is None or not row["ok"] or row["figure"] is None or device in spec["recorded"]:
+        if spec is None or status_of(row) not in (OK, NO_BASELINE) or row["figure"] is None \
+                or device in spec["recorded"]:
             continue
         stamp = {k: meta[k] for k in ("commit", "date") if meta and meta.get(k)}
         spec["recorded"][device] = {"value": round(row["figure"], 4), **stamp,

@@ -20,6 +20,15 @@ class _Sized(Protocol):
     def __getitem__(self, i: int) -> Any: ...
 
 
+class PromptBatch(list):
+    """A batch of dataset items and the epoch it belongs to. The iterator's own epoch moves on as soon as an epoch's
+    last batch is drawn, so a step's epoch (`training/epoch`) is read from its batch, not from the iterator."""
+
+    def __init__(self, items, epoch: int):
+        super().__init__(items)
+        self.epoch = epoch
+
+
 class PromptIterator:
     """Yields batches (lists of dataset items) forever, or for `num_epochs` epochs.
 
@@ -69,12 +78,12 @@ class PromptIterator:
     def __iter__(self) -> PromptIterator:
         return self
 
-    def __next__(self) -> list:
+    def __next__(self) -> PromptBatch:
         if self.num_epochs is not None and self.epoch >= self.num_epochs:
             raise StopIteration
         order = self.epoch_order(self.epoch)
         start = self.position * self.batch_size
-        batch = [self.dataset[int(i)] for i in order[start:start + self.batch_size]]
+        batch = PromptBatch([self.dataset[int(i)] for i in order[start:start + self.batch_size]], self.epoch)
         self.position += 1
         if self.position == self.steps_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0

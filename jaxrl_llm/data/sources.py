@@ -4,6 +4,10 @@
 A row has at least `data_source`, `prompt` (a list of chat messages) and `reward_model.ground_truth`;
 `ability` and `extra_info` are optional. Rows come back as `SourceRow`s that remember where they came
 from, so that later errors can name the file and the row.
+
+jaxrl_llm trains language models only (of a Qwen3.5 vision-language checkpoint, the language model): a row
+that carries images or videos (veRL's `images`, `videos`, `multi_modal_data` columns, or a chat message
+with image or video content parts) is one `DataError` naming the field, not a prompt trained without them.
 """
 
 from __future__ import annotations
@@ -94,6 +98,28 @@ def _missing_field(row: dict, prompt_key: str) -> str | None:
     return None
 
 
+# veRL's columns for a multimodal row (`RLHFDataset`'s image_key / video_key, and what it builds from them).
+MULTIMODAL_COLUMNS = ("images", "videos", "multi_modal_data", "multi_modal_inputs")
+# Content-part types of a chat message that carry an image or a video (HF's and OpenAI's chat formats).
+_MEDIA_PARTS = ("image", "image_url", "input_image", "video", "video_url")
+
+
+def _multimodal_field(row: dict, prompt_key: str) -> str | None:
+    """The first field of `row` that carries images or videos, or None."""
+    for column in MULTIMODAL_COLUMNS:
+        if row.get(column) not in (None, [], {}, ""):
+            return column
+    messages = row.get(prompt_key)
+    if isinstance(messages, list | tuple):
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list | tuple) and any(
+                    isinstance(part, dict) and (part.get("type") in _MEDIA_PARTS or any(
+                        part.get(k) is not None for k in _MEDIA_PARTS)) for part in content):
+                return f"{prompt_key}[{i}].content"
+    return None
+
+
 def read_file(path: str, *, prompt_key: str = "prompt") -> list[SourceRow]:
     """The rows of one .parquet or .jsonl file, checked for the required fields."""
     if not os.path.exists(path):
@@ -112,6 +138,13 @@ def read_file(path: str, *, prompt_key: str = "prompt") -> list[SourceRow]:
         more = f" ({len(bad) - 1} more rows lack a required field)" if len(bad) > 1 else ""
         raise DataError(f"{path} row {i}: field {field!r} is missing or null{more}; every row needs "
                         f"'data_source' (a non-empty string), {prompt_key!r} and 'reward_model.ground_truth'")
+    media = [(i, field) for i, row in enumerate(rows) if (field := _multimodal_field(row, prompt_key))]
+    if media:
+        i, field = media[0]
+        more = f" ({len(media) - 1} more rows carry images or videos)" if len(media) > 1 else ""
+        raise DataError(f"{path} row {i}: {field!r} carries images or videos{more}; jaxrl_llm trains the language "
+                        "model only (a vision-language checkpoint's vision tower is not loaded): drop the rows with "
+                        "images or videos, or the column")
     return [SourceRow(path, i, row) for i, row in enumerate(rows)]
 
 

@@ -1,5 +1,5 @@
-"""Decoder configuration for every supported family (Qwen2/2.5, Qwen3, Llama 3.x): presets with HF's
-exact shapes, and HF config.json I/O (the family specifics live in `families.py`)."""
+"""Decoder configuration for every supported family (Qwen2/2.5, Qwen3, Llama 3.x, Qwen3-MoE, Qwen3.5): presets
+with HF's exact shapes, and HF config.json I/O (the family specifics live in `families.py`)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ class DecoderConfig:
     `num_experts_per_tok` of `num_experts` SwiGLU experts of width `moe_intermediate_size`, the other
     layers keep a dense MLP of `intermediate_size`. `output_router_logits` (HF's switch) adds
     `router_aux_loss_coef` x the load-balancing loss to the actor loss.
+
+    Hybrid linear attention (Qwen3.5, model_type "qwen3_5_text" / "qwen3_5_moe_text"): `layer_types[i]` is
+    "linear_attention" (a Gated DeltaNet of `linear_num_key_heads` key and `linear_num_value_heads` value heads
+    of `linear_key_head_dim` / `linear_value_head_dim`, with a causal conv of width `linear_conv_kernel_dim`) or
+    "full_attention" (attention with an output gate and RoPE on the first `partial_rotary_factor` of each head).
+    The MoE sibling adds a shared expert of width `shared_expert_intermediate_size` to every sparse layer.
     """
 
     model_type: str = "qwen2"
@@ -72,6 +78,15 @@ class DecoderConfig:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: the gated shared expert's width
+    # Qwen3.5's hybrid layers (empty layer_types: every layer full attention)
+    layer_types: tuple[str, ...] = ()
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    partial_rotary_factor: float = 1.0
     # LoRA adapters on the linear layers named in `lora_targets` (see `models/lora.py`); 0 is off.
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -84,7 +99,9 @@ class DecoderConfig:
         if isinstance(self.eos_token_id, list):  # hashable: configs are cache keys and static jit arguments
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types or ()))
         self._check_experts()
+        self._check_hybrid()
         if isinstance(self.rope_scaling, dict):  # HF's form, e.g. from gin's model.overrides
             object.__setattr__(self, "rope_scaling", rope_scaling_from_hf(
                 self.rope_scaling, where="DecoderConfig", max_position_embeddings=self.max_position_embeddings))
@@ -116,14 +133,16 @@ class DecoderConfig:
                 raise ConfigError(f"{name}={value!r} is not a floating-point dtype; use 'float32' or 'bfloat16'")
 
     def _check_experts(self) -> None:
-        if self.model_type != "qwen3_moe":
+        if not self.family.moe:
             if self.num_experts or self.output_router_logits:
                 raise ConfigError(f"num_experts={self.num_experts}, output_router_logits={self.output_router_logits}"
-                                  f" need model_type='qwen3_moe' (got {self.model_type!r}); a dense model has "
-                                  "num_experts=0 and no router loss")
+                                  f" need a mixture-of-experts model_type ('qwen3_moe', 'qwen3_5_moe_text'; got "
+                                  f"{self.model_type!r}); a dense model has num_experts=0 and no router loss")
             return
         if self.num_experts < 1:
-            raise ConfigError("model_type='qwen3_moe' needs num_experts >= 1 (config.json: num_experts)")
+            raise ConfigError(f"model_type={self.model_type!r} needs num_experts >= 1 (config.json: num_experts)")
+        if self.family.shared_expert and self.shared_expert_intermediate_size < 1:
+            raise ConfigError(f"model_type={self.model_type!r} needs shared_expert_intermediate_size >= 1")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
                               f"{self.num_experts}]")
@@ -138,6 +157,29 @@ class DecoderConfig:
             raise ConfigError(f"no sparse layer (decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers="
                               f"{list(self.mlp_only_layers)}); use model_type 'qwen3' for a dense model")
 
+    def _check_hybrid(self) -> None:
+        from jaxrl_llm.models.families import LAYER_TYPES
+
+        if not self.family.hybrid:
+            if any(t != "full_attention" for t in self.layer_types) or self.partial_rotary_factor != 1.0:
+                raise ConfigError(f"layer_types={list(self.layer_types)}, partial_rotary_factor="
+                                  f"{self.partial_rotary_factor} need a Qwen3.5 model_type ('qwen3_5_text', "
+                                  f"'qwen3_5_moe_text'; got {self.model_type!r})")
+            return
+        if len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ConfigError(f"layer_types={list(self.layer_types)}: need one of {list(LAYER_TYPES)} for each of the "
+                              f"{self.num_hidden_layers} layers")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                              f"linear_num_key_heads={self.linear_num_key_heads}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor}: need a fraction in (0, 1] that "
+                              f"leaves an even number of rotated dims (head_dim={self.head_dim})")
+        if self.linear_conv_kernel_dim < 1:
+            raise ConfigError(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 1")
+        if "full_attention" not in self.layer_types:
+            raise ConfigError(f"layer_types={list(self.layer_types)}: need at least one 'full_attention' layer")
+
     # ---- family switches -----------------------------------------------------------------------
     @property
     def family(self) -> families.Family:
@@ -151,6 +193,32 @@ class DecoderConfig:
     def qk_norm(self) -> bool:
         return self.family.qk_norm
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Qwen3.5: linear-attention layers, an attention output gate, zero-centred norms."""
+        return self.family.hybrid
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (all but for Qwen3.5's partial RoPE)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_layer(self, i: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[i] == "linear_attention"
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the Gated DeltaNet's conv: q, k and v side by side."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
     # ---- layer kinds (mixture of experts) -------------------------------------------------------
     @property
     def is_moe(self) -> bool:
@@ -161,17 +229,30 @@ class DecoderConfig:
         return (self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The HF indices of the layers with experts, in order (the L_moe axis of recorded routing)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i))
+
+    def layer_stack(self, i: int) -> str:
+        """The params stack layer i lives in: one stack per kind of layer (see `layer_stacks`)."""
+        if self.is_linear_layer(i):
+            return "linear_layers"
+        if self.is_moe and not self.is_sparse_layer(i) and not self.is_hybrid:
+            return "dense_layers"
+        return "layers"
+
+    @property
     def layer_stacks(self) -> dict[str, tuple[int, ...]]:
         """Stacked layer groups of the params -> the HF layer indices they hold, in order.
 
         Layers of one kind share a stack (scanned together): `layers` holds every layer of a dense
-        model and the sparse layers of a MoE; `dense_layers` the dense layers of a MoE, if any.
+        model, the sparse layers of a Qwen3-MoE and the attention layers of a Qwen3.5; `dense_layers` the
+        dense layers of a Qwen3-MoE, if any; `linear_layers` the Gated DeltaNet layers of a Qwen3.5.
         """
-        if not self.is_moe:
-            return {"layers": tuple(range(self.num_hidden_layers))}
-        sparse = tuple(i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i))
-        dense = tuple(i for i in range(self.num_hidden_layers) if not self.is_sparse_layer(i))
-        return {"layers": sparse, "dense_layers": dense} if dense else {"layers": sparse}
+        stacks: dict[str, list[int]] = {"layers": []}
+        for i in range(self.num_hidden_layers):
+            stacks.setdefault(self.layer_stack(i), []).append(i)
+        return {name: tuple(ids) for name, ids in stacks.items()}
 
     @property
     def layer_runs(self) -> tuple[tuple[str, int, int], ...]:
@@ -187,12 +268,23 @@ class DecoderConfig:
         return tuple(tuple(r) for r in runs)
 
     @property
+    def layer_period(self) -> int:
+        """The shortest p that divides the depth with layer i of the kind of layer i % p (Qwen3.5: the
+        full-attention interval); the layer scan then runs over depth / p groups of p layers. The depth itself
+        when the kinds repeat with no shorter period."""
+        kinds = [self.layer_stack(i) for i in range(self.num_hidden_layers)]
+        n = len(kinds)
+        return next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
+
+    @property
     def active_intermediate_size(self) -> int:
-        """The MLP width one token runs through in the widest layer kind (k experts' in a MoE)."""
+        """The MLP width one token runs through in the widest layer kind (k experts' in a MoE, plus the shared
+        expert's in a Qwen3.5-MoE)."""
         if not self.is_moe:
             return self.intermediate_size
-        return max(self.num_experts_per_tok * self.moe_intermediate_size,
-                   self.intermediate_size if len(self.layer_stacks) > 1 else 0)
+        dense = self.intermediate_size if "dense_layers" in self.layer_stacks else 0
+        return max(self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size,
+                   dense)
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -215,15 +307,24 @@ class DecoderConfig:
         """Exact parameter count, as HF's `model.num_parameters()` reports it; `active`: the parameters
         one token uses (a sparse layer counts its router and `num_experts_per_tok` experts)."""
         d, f, v, layers = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
-        attn = 2 * d * self.q_dim + 2 * d * self.kv_dim
+        gate = 2 if self.is_hybrid else 1  # Qwen3.5's q_proj also makes the attention output's gate
+        attn = (1 + gate) * d * self.q_dim + 2 * d * self.kv_dim
         if self.qkv_bias:
             attn += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
+        hv = self.linear_num_value_heads
+        linear = (d * self.linear_conv_dim + d * self.linear_value_dim + 2 * d * hv
+                  + self.linear_conv_dim * self.linear_conv_kernel_dim + 2 * hv + self.linear_value_head_dim
+                  + self.linear_value_dim * d)
+        n_linear = sum(self.is_linear_layer(i) for i in range(layers))
         n_sparse = sum(self.is_sparse_layer(i) for i in range(layers))
         experts = self.num_experts_per_tok if active else self.num_experts
         moe_mlp = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
-        total = v * d + layers * (attn + 2 * d) + (layers - n_sparse) * 3 * d * f + n_sparse * moe_mlp + d
+        if self.shared_expert_intermediate_size:
+            moe_mlp += 3 * d * self.shared_expert_intermediate_size + d
+        total = (v * d + (layers - n_linear) * attn + n_linear * linear + layers * 2 * d
+                 + (layers - n_sparse) * 3 * d * f + n_sparse * moe_mlp + d)
         if with_value_head:
             total += d + 1
         elif not self.tie_word_embeddings:
@@ -375,6 +476,40 @@ class DecoderConfig:
             num_attention_heads=64, num_key_value_heads=4), kw)
 
     @classmethod
+    def qwen3_5_9b(cls, **kw) -> DecoderConfig:
+        """Qwen3.5-9B's language model: transformers' Qwen3_5TextConfig defaults (32 layers, every 4th full
+        attention)."""
+        return cls._make("preset 'qwen3_5_9b'", _QWEN3_5_COMMON, dict(
+            hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+            num_key_value_heads=4, layer_types=_every_nth_full(32, 4)), kw)
+
+    @classmethod
+    def qwen3_5_35b_a3b(cls, **kw) -> DecoderConfig:
+        """Qwen3.5-35B-A3B's language model: transformers' Qwen3_5MoeTextConfig defaults (40 layers, 256 experts
+        of width 512, top 8, a shared expert of width 512)."""
+        return cls._make("preset 'qwen3_5_35b_a3b'", _QWEN3_5_COMMON, dict(
+            model_type="qwen3_5_moe_text", hidden_size=2048, intermediate_size=0, num_hidden_layers=40,
+            num_attention_heads=16, num_key_value_heads=2, layer_types=_every_nth_full(40, 4), num_experts=256,
+            num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+            norm_topk_prob=True), kw)
+
+    @classmethod
+    def tiny_qwen35(cls, **kw) -> DecoderConfig:
+        """The tiny test model as a Qwen3.5: 4 layers, full attention every 2nd, 2 key and 4 value heads in the
+        linear layers, RoPE on a quarter of each head."""
+        base = dict(model_type="qwen3_5_text", head_dim=16, num_hidden_layers=4, layer_types=_every_nth_full(4, 2),
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4, partial_rotary_factor=0.25)
+        return cls.tiny(**{**base, **kw})
+
+    @classmethod
+    def tiny_qwen35_moe(cls, **kw) -> DecoderConfig:
+        """`tiny_qwen35` as a Qwen3.5-MoE: 8 experts, top-2, and a shared expert."""
+        base = dict(model_type="qwen3_5_moe_text", intermediate_size=0, num_experts=8, num_experts_per_tok=2,
+                    moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True)
+        return cls.tiny_qwen35(**{**base, **kw})
+
+    @classmethod
     def tiny_moe(cls, **kw) -> DecoderConfig:
         """The tiny test model as a Qwen3-MoE: 8 experts, top-2, every layer sparse."""
         return cls.tiny(**{**dict(model_type="qwen3_moe", head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -409,6 +544,21 @@ _QWEN3_COMMON = dict(model_type="qwen3", vocab_size=151936, head_dim=128, max_po
 # Qwen3-MoE's released shapes share these (every layer sparse, 128 experts, top-8, normalised top-k).
 _QWEN3_MOE_COMMON = dict(model_type="qwen3_moe", tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), router_aux_loss_coef=0.001)
+# Qwen3.5's released language models: head_dim 256, RoPE (theta 1e7) on a quarter of each head, 16 key and 32 value
+# heads of 128 in the linear layers. Token ids come from the checkpoint's own config.json (its vocabulary is not
+# Qwen2's), so the presets name none.
+_QWEN3_5_COMMON = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, max_position_embeddings=262144,
+                       rope_theta=10_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
+                       eos_token_id=None, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
+                       linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                       linear_num_value_heads=32)
+
+
+def _every_nth_full(layers: int, interval: int) -> tuple[str, ...]:
+    """transformers' default layer_types: every `interval`-th layer full attention, the rest linear."""
+    return tuple("linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers))
+
+
 # The Instruct checkpoints' token ids (<|end_of_text|>, <|eom_id|>, <|eot_id|> end a response).
 _LLAMA3_COMMON = dict(model_type="llama", vocab_size=128256, max_position_embeddings=131072, rope_theta=500_000.0,
                       rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=[128001, 128008, 128009])
@@ -430,8 +580,12 @@ PRESETS = {
     "llama3p1_8b": DecoderConfig.llama3p1_8b,
     "qwen3_30b_a3b": DecoderConfig.qwen3_30b_a3b,
     "qwen3_235b_a22b": DecoderConfig.qwen3_235b_a22b,
+    "qwen3_5_9b": DecoderConfig.qwen3_5_9b,
+    "qwen3_5_35b_a3b": DecoderConfig.qwen3_5_35b_a3b,
     "tiny": DecoderConfig.tiny,
     "tiny_moe": DecoderConfig.tiny_moe,
+    "tiny_qwen35": DecoderConfig.tiny_qwen35,
+    "tiny_qwen35_moe": DecoderConfig.tiny_qwen35_moe,
 }
 
 

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl_llm.models.config import ConfigError, DecoderConfig
-from jaxrl_llm.models.families import is_critic_hf
+from jaxrl_llm.models.families import hf_prefix, is_critic_hf
 from jaxrl_llm.models.hf_table import IGNORED_HF_SUFFIXES, ParamRow, get_path, param_table, set_path
 from jaxrl_llm.models.params import graphdef_and_abstract_params, param_shardings
 from jaxrl_llm.models.safetensors_io import SafetensorsError, SafetensorsFile, save_file
@@ -73,6 +73,43 @@ def _open_tensors(path: str) -> dict[str, SafetensorsFile]:
                 continue
             by_tensor[t] = sf
     return by_tensor
+
+
+class _Alias:
+    """A tensor of a file read under another name (a Qwen3.5 checkpoint's `model.language_model.` prefix)."""
+
+    def __init__(self, sf: SafetensorsFile, name: str):
+        self.sf, self.name = sf, name
+
+    def get(self, _):
+        return self.sf.get(self.name)
+
+    def shape(self, _):
+        return self.sf.shape(self.name)
+
+
+# Tensors of a Qwen3.5 vision-language checkpoint that are not its language model: skipped with one log line.
+_SKIPPED_PREFIXES = {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction head"}
+
+
+def _language_model_tensors(tensors: dict, path: str) -> dict:
+    """The tensors under our HF names: a Qwen3.5 checkpoint's `model.language_model.X` read as `model.X`, its vision
+    tower and MTP head left out (logged); any other checkpoint's as they are."""
+    if not any(n.startswith("model.language_model.") for n in tensors):
+        return tensors
+    out, skipped = {}, {}
+    for name, sf in tensors.items():
+        what = next((w for p, w in _SKIPPED_PREFIXES.items() if name.startswith(p)), None)
+        if what is not None:
+            skipped[what] = skipped.get(what, 0) + 1
+        elif name.startswith("model.language_model."):
+            out["model." + name[len("model.language_model."):]] = _Alias(sf, name)
+        else:
+            out[name] = sf
+    if skipped:
+        log.info("%s: loading the language model; skipped %s", path,
+                 ", ".join(f"{what} ({n} tensors)" for what, n in skipped.items()))
+    return out
 
 
 def _check_names_and_shapes(cfg: DecoderConfig, rows: list[ParamRow], tensors: dict, where: str,
@@ -134,7 +171,7 @@ def is_critic_checkpoint(path: str | os.PathLike) -> bool:
 
 def load_params(path: str, cfg: DecoderConfig, *, mesh: Mesh | None = None, critic: bool = False):
     """Reads a HF directory into a params dict placed with the table's shardings."""
-    tensors = _open_tensors(path)
+    tensors = _language_model_tensors(_open_tensors(path), path)
     rows = param_table(cfg, critic=critic)
     _check_names_and_shapes(cfg, rows, tensors, path, critic)
     shardings = param_shardings(cfg, mesh, critic=critic)
@@ -216,7 +253,11 @@ def write_hf_dir(params, cfg: DecoderConfig, out_dir: str | os.PathLike, *, crit
             written.append((tmp, [n for n, _ in current]))
         current, size = [], 0
 
+    hf_cfg = cfg.to_hf(critic=critic)
+    prefix = hf_prefix(hf_cfg)  # a Qwen3.5 value model keeps its language model under model.language_model.
     for name, arr in iter_hf_tensors(params, cfg, critic=critic, dtype=dtype):
+        if prefix != "model." and name.startswith("model."):
+            name = prefix + name[len("model."):]
         if current and size + arr.nbytes > limit:
             flush()
         current.append((name, arr))
@@ -239,7 +280,6 @@ def write_hf_dir(params, cfg: DecoderConfig, out_dir: str | os.PathLike, *, crit
         with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
-    hf_cfg = cfg.to_hf(critic=critic)
     if dtype:
         hf_cfg["torch_dtype"] = str(np.dtype(jax.numpy.dtype(dtype)).name)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

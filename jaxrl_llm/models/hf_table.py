@@ -39,7 +39,7 @@ class ParamRow:
         """Our (stacked, transposed) shape."""
         if not self.stacked:
             return _SHAPES[self.path](cfg)
-        return (len(self.layers),) + _LAYER_SHAPES[self.path[-2:]](cfg)
+        return (len(self.layers),) + layer_shape(self.path, cfg)
 
     def hf_shape(self, cfg: DecoderConfig) -> tuple[int, ...]:
         """The shape of each of the row's HF tensors."""
@@ -77,19 +77,46 @@ _MOE = [
                          ("down_proj", ("expert", "mlp", "embed")))),
 ]
 
+# Qwen3.5-MoE's shared expert beside the routed ones: a SwiGLU of its own width and a [D, 1] sigmoid gate.
+_SHARED_EXPERT = [
+    _layer(("mlp", "shared_expert", "gate_proj", "kernel"), "mlp.shared_expert.gate_proj.weight", ("embed", "mlp"),
+           True),
+    _layer(("mlp", "shared_expert", "up_proj", "kernel"), "mlp.shared_expert.up_proj.weight", ("embed", "mlp"), True),
+    _layer(("mlp", "shared_expert", "down_proj", "kernel"), "mlp.shared_expert.down_proj.weight", ("mlp", "embed"),
+           True),
+    _layer(("mlp", "shared_expert_gate", "kernel"), "mlp.shared_expert_gate.weight", ("embed", None), True),
+]
+# A Qwen3.5 linear-attention layer's Gated DeltaNet (`linear_attn`). Its projections are split only over fsdp:
+# in_proj_qkv's columns are q, k and v side by side, which an even split over `tensor` would not keep whole.
+_LINEAR = [
+    _INPUT_NORM,
+    _layer(("linear_attn", "in_proj_qkv", "kernel"), "linear_attn.in_proj_qkv.weight", ("embed", None), True),
+    _layer(("linear_attn", "in_proj_z", "kernel"), "linear_attn.in_proj_z.weight", ("embed", None), True),
+    _layer(("linear_attn", "in_proj_b", "kernel"), "linear_attn.in_proj_b.weight", ("embed", None), True),
+    _layer(("linear_attn", "in_proj_a", "kernel"), "linear_attn.in_proj_a.weight", ("embed", None), True),
+    _layer(("linear_attn", "conv1d", "kernel"), "linear_attn.conv1d.weight", (None, None, None), True),
+    _layer(("linear_attn", "dt_bias"), "linear_attn.dt_bias", (None,), False),
+    _layer(("linear_attn", "A_log"), "linear_attn.A_log", (None,), False),
+    _layer(("linear_attn", "norm", "weight"), "linear_attn.norm.weight", ("norm",), False),
+    _layer(("linear_attn", "out_proj", "kernel"), "linear_attn.out_proj.weight", (None, "embed"), True),
+    _POST_NORM,
+]
+
 # One decoder layer's attention and norm rows, per family (keyed by HF model_type); the MLP rows follow.
 LAYER_TABLES = {
     "qwen2": [_INPUT_NORM, _Q, _Q_BIAS, _K, _K_BIAS, _V, _V_BIAS, _O, _POST_NORM],
     "qwen3": [_INPUT_NORM, _Q, _Q_NORM, _K, _K_NORM, _V, _O, _POST_NORM],
     "qwen3_moe": [_INPUT_NORM, _Q, _Q_NORM, _K, _K_NORM, _V, _O, _POST_NORM],
     "llama": [_INPUT_NORM, _Q, _K, _V, _O, _POST_NORM],
+    "qwen3_5_text": [_INPUT_NORM, _Q, _Q_NORM, _K, _K_NORM, _V, _O, _POST_NORM],
+    "qwen3_5_moe_text": [_INPUT_NORM, _Q, _Q_NORM, _K, _K_NORM, _V, _O, _POST_NORM],
 }
 
-# Per-layer shapes of the stacked rows, keyed by the last two path entries.
+# Per-layer shapes of the stacked rows, keyed by the last three path entries, else the last two.
 _LAYER_SHAPES = {
     ("input_layernorm", "weight"): lambda c: (c.hidden_size,),
     ("post_attention_layernorm", "weight"): lambda c: (c.hidden_size,),
-    ("q_proj", "kernel"): lambda c: (c.hidden_size, c.q_dim),
+    ("q_proj", "kernel"): lambda c: (c.hidden_size, c.q_dim * (2 if c.is_hybrid else 1)),  # Qwen3.5: + the gate
     ("q_proj", "bias"): lambda c: (c.q_dim,),
     ("k_proj", "kernel"): lambda c: (c.hidden_size, c.kv_dim),
     ("k_proj", "bias"): lambda c: (c.kv_dim,),
@@ -105,7 +132,26 @@ _LAYER_SHAPES = {
     ("experts", "gate_proj"): lambda c: (c.num_experts, c.hidden_size, c.moe_intermediate_size),
     ("experts", "up_proj"): lambda c: (c.num_experts, c.hidden_size, c.moe_intermediate_size),
     ("experts", "down_proj"): lambda c: (c.num_experts, c.moe_intermediate_size, c.hidden_size),
+    ("shared_expert", "gate_proj", "kernel"): lambda c: (c.hidden_size, c.shared_expert_intermediate_size),
+    ("shared_expert", "up_proj", "kernel"): lambda c: (c.hidden_size, c.shared_expert_intermediate_size),
+    ("shared_expert", "down_proj", "kernel"): lambda c: (c.shared_expert_intermediate_size, c.hidden_size),
+    ("shared_expert_gate", "kernel"): lambda c: (c.hidden_size, 1),
+    ("in_proj_qkv", "kernel"): lambda c: (c.hidden_size, c.linear_conv_dim),
+    ("in_proj_z", "kernel"): lambda c: (c.hidden_size, c.linear_value_dim),
+    ("in_proj_b", "kernel"): lambda c: (c.hidden_size, c.linear_num_value_heads),
+    ("in_proj_a", "kernel"): lambda c: (c.hidden_size, c.linear_num_value_heads),
+    ("conv1d", "kernel"): lambda c: (c.linear_conv_kernel_dim, 1, c.linear_conv_dim),
+    ("linear_attn", "dt_bias"): lambda c: (c.linear_num_value_heads,),
+    ("linear_attn", "A_log"): lambda c: (c.linear_num_value_heads,),
+    ("linear_attn", "norm", "weight"): lambda c: (c.linear_value_head_dim,),
+    ("out_proj", "kernel"): lambda c: (c.linear_value_dim, c.hidden_size),
 }
+
+
+def layer_shape(path: tuple[str, ...], cfg: DecoderConfig) -> tuple[int, ...]:
+    """One layer's shape of a stacked row (no layer axis), by its path in the params."""
+    fn = _LAYER_SHAPES.get(path[-3:]) or _LAYER_SHAPES[path[-2:]]
+    return fn(cfg)
 
 _SHAPES = {
     ("model", "embed_tokens", "embedding"): lambda c: (c.vocab_size, c.hidden_size),
@@ -123,9 +169,11 @@ def param_table(cfg: DecoderConfig, *, critic: bool = False) -> list[ParamRow]:
     """All rows for a causal LM (or, with `critic`, the value model) of this config."""
     rows = [ParamRow(("model", "embed_tokens", "embedding"), "model.embed_tokens.weight", False,
                      ("vocab", "embed"))]
-    for stack, layer_ids in cfg.layer_stacks.items():  # `layers`, and a MoE's `dense_layers`
-        sparse = cfg.is_moe and stack == "layers"
-        for row in LAYER_TABLES[cfg.model_type] + (_MOE if sparse else _MLP):
+    for stack, layer_ids in cfg.layer_stacks.items():  # `layers`, a Qwen3-MoE's `dense_layers`, `linear_layers`
+        sparse = cfg.is_moe and stack != "dense_layers"
+        mixer = _LINEAR if stack == "linear_layers" else LAYER_TABLES[cfg.model_type]
+        mlp = (_MOE + (_SHARED_EXPERT if cfg.shared_expert_intermediate_size else [])) if sparse else _MLP
+        for row in mixer + mlp:
             rows.append(dataclasses.replace(row, path=("model", stack) + row.path[2:], layers=layer_ids,
                                             experts=cfg.num_experts if row.experts else 0))
     rows.append(ParamRow(("model", "norm", "weight"), "model.norm.weight", False, ("norm",)))

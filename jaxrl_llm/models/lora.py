@@ -6,11 +6,20 @@ adapters live in the model's params tree beside the kernels they adapt, stacked 
 (`model.layers.self_attn.q_proj.lora_a` [L, in, r]), so `nnx.merge` with a LoRA config runs them.
 Everything here is pure; the trainer decides which leaves train (`trainer/model_state.py`).
 
-Mixture of experts (Qwen3-MoE): the adapters sit on the attention projections of every layer (both stacks
-of a mixed model, `cfg.layer_stacks`). That is what PEFT's 'all-linear' puts on `nn.Linear` modules of
-transformers 5's Qwen3-MoE; the router and the fused experts are not `nn.Linear` there, and the MLP names
-(gate_proj, ...) are what PEFT maps to the experts' 3-D parameters (`target_parameters`), which we do not
-adapt (benchmarks/NOTES.md item 32).
+Where an adapter can sit depends on the layer's kind (`layer_modules`), with PEFT's module names:
+
+  stack / layer kind                   module paths (under the layer)
+  attention layers (`layers`)          self_attn.{q,k,v,o}_proj
+  Qwen3.5 linear layers                linear_attn.{in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj}
+  a dense MLP                          mlp.{gate,up,down}_proj
+  Qwen3.5-MoE's sparse MLP             mlp.shared_expert.{gate,up,down}_proj, mlp.shared_expert_gate
+  Qwen3-MoE's sparse MLP               none
+
+A target name adapts every module of that name the model has (as PEFT matches `target_modules` by the last
+name): `gate_proj` on a Qwen3.5-MoE is its shared expert's. 'all-linear' is what PEFT's 'all-linear' puts on
+transformers 5.19's model of the family (every `nn.Linear` of the layers). Their routers and fused experts are
+not `nn.Linear`; for Qwen3-MoE PEFT maps the MLP names (gate_proj, ...) to the experts' 3-D parameters
+(`target_parameters`), which we do not adapt (benchmarks/NOTES.md item 32), so an MLP name there is an error.
 """
 
 from __future__ import annotations
@@ -25,15 +34,40 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jaxrl_llm import sharding
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.errors import ConfigError
-from jaxrl_llm.models.hf_table import _MLP, LAYER_TABLES, get_path, set_path
+from jaxrl_llm.models.hf_table import get_path, layer_shape, param_table, set_path
 
-# The linear layers an adapter can sit on, with their parent module. PEFT's 'all-linear' is all of them
-# (it leaves out the output layer, lm_head).
-LORA_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# The linear modules of a layer an adapter can sit on, by what holds them: name -> parent path in the layer.
+ATTENTION_MODULES = {n: ("self_attn",) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+LINEAR_ATTENTION_MODULES = {n: ("linear_attn",) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                          "out_proj")}
+MLP_MODULES = {n: ("mlp",) for n in ("gate_proj", "up_proj", "down_proj")}
+SHARED_EXPERT_MODULES = {**{n: ("mlp", "shared_expert") for n in MLP_MODULES}, "shared_expert_gate": ("mlp",)}
+# Every target name, in the order targets resolve to (a dense model's seven first, as before Qwen3.5).
+LORA_MODULES = (*ATTENTION_MODULES, *MLP_MODULES, *LINEAR_ATTENTION_MODULES, "shared_expert_gate")
 LORA_LEAVES = ("lora_a", "lora_b")
 # The targets a Qwen3-MoE offers: its sparse layers have no dense MLP (see the module docstring).
-MOE_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MOE_LORA_MODULES = tuple(ATTENTION_MODULES)
+
+
+def layer_modules(cfg: DecoderConfig, stack: str) -> dict[str, tuple[str, ...]]:
+    """The adaptable modules of the layers in `stack` (one of `cfg.layer_stacks`): name -> parent path."""
+    mixer = LINEAR_ATTENTION_MODULES if stack == "linear_layers" else ATTENTION_MODULES
+    if not cfg.is_moe or stack == "dense_layers":
+        mlp = MLP_MODULES
+    else:  # a sparse layer: the shared expert's (Qwen3.5-MoE), or none (Qwen3-MoE)
+        mlp = SHARED_EXPERT_MODULES if cfg.shared_expert_intermediate_size else {}
+    return {**mixer, **mlp}
+
+
+def model_modules(cfg: DecoderConfig | None) -> tuple[str, ...]:
+    """The target names `cfg`'s layers have, in `LORA_MODULES` order; what 'all-linear' resolves to (PEFT's
+    nn.Linear modules of transformers' model). None: a dense model's (Qwen2, Qwen3, Llama)."""
+    if cfg is None:
+        return (*ATTENTION_MODULES, *MLP_MODULES)
+    if cfg.is_moe and not cfg.family.shared_expert:  # Qwen3-MoE: the attention, in every stack
+        return MOE_LORA_MODULES
+    have = {n for stack in cfg.layer_stacks for n in layer_modules(cfg, stack)}
+    return tuple(n for n in LORA_MODULES if n in have)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,35 +84,39 @@ class LoraSpec:
 
     def apply(self, cfg: DecoderConfig) -> DecoderConfig:
         """The model config whose graph holds these adapters."""
-        if cfg.is_moe:
-            _check_moe_targets(self.targets)
+        _check_model_targets(self.targets, cfg)
         return cfg.replace(lora_rank=self.rank, lora_alpha=float(self.alpha), lora_targets=self.targets)
 
 
-def _check_moe_targets(targets) -> None:
-    mlp = sorted(n for n in targets if n not in MOE_LORA_MODULES)
-    if mlp:
-        raise ConfigError(f"model.target_modules: {mlp} on a mixture-of-experts model (Qwen3-MoE): its sparse layers "
-                          "have no such nn.Linear (the routed experts are 3-D parameters, which PEFT on transformers 5 "
-                          "adapts only as target_parameters, not supported here); target the attention modules "
-                          f"{list(MOE_LORA_MODULES)} or 'all-linear'")
+def _check_model_targets(targets, cfg: DecoderConfig) -> None:
+    """One ConfigError for target names `cfg`'s layers lack (a Qwen3-MoE's MLP names say why)."""
+    have = model_modules(cfg)
+    missing = [n for n in targets if n not in have]
+    if not missing:
+        return
+    if cfg.is_moe and not cfg.family.shared_expert:
+        raise ConfigError(f"model.target_modules: {sorted(missing)} on a mixture-of-experts model (Qwen3-MoE): its "
+                          "sparse layers have no such nn.Linear (the routed experts are 3-D parameters, which PEFT on "
+                          "transformers 5 adapts only as target_parameters, not supported here); target the attention "
+                          f"modules {list(MOE_LORA_MODULES)} or 'all-linear'")
+    raise ConfigError(f"model.target_modules: {missing} are not linear modules of this model (model_type "
+                      f"{cfg.model_type!r}); its layers have {list(have)} ('all-linear' is all of them)")
 
 
 def resolve_targets(target_modules, exclude_modules=(), cfg: DecoderConfig | None = None) -> tuple[str, ...]:
     """`model.target_modules` ('all-linear', None for it, or module names) less `model.exclude_modules`, in
-    table order.
+    `LORA_MODULES` order.
 
-    With `cfg` a mixture of experts, 'all-linear' is the attention projections (PEFT's nn.Linear modules on
-    transformers 5's Qwen3-MoE) and an MLP name is an error."""
+    'all-linear' is the linear modules of `cfg`'s layers (`model_modules`: what PEFT's 'all-linear' adapts on the
+    family's transformers model; a dense model's seven when `cfg` is None); a name `cfg` lacks is an error."""
     known = sorted(LORA_MODULES)
-    moe = cfg is not None and cfg.is_moe
     if target_modules is None:  # model.target_modules' default: every linear layer, as veRL's
         target_modules = "all-linear"
     if isinstance(target_modules, str):
         if target_modules != "all-linear":
             raise ConfigError(f"model.target_modules: {target_modules!r}; use 'all-linear' or a list of module names "
                               f"from {known}")
-        wanted = set(MOE_LORA_MODULES if moe else LORA_MODULES)
+        wanted = set(model_modules(cfg))
     else:
         wanted = set(target_modules)
     for key, names in (("model.target_modules", wanted), ("model.exclude_modules", set(exclude_modules or ()))):
@@ -86,8 +124,8 @@ def resolve_targets(target_modules, exclude_modules=(), cfg: DecoderConfig | Non
         if unknown:
             raise ConfigError(f"{key}: unknown module name(s) {unknown}; LoRA can target {known} (or 'all-linear' "
                               "in model.target_modules); the stacked layers take one setting for every layer")
-    if moe:
-        _check_moe_targets(wanted)
+    if cfg is not None:
+        _check_model_targets([n for n in LORA_MODULES if n in wanted], cfg)
     targets = tuple(n for n in LORA_MODULES if n in wanted and n not in set(exclude_modules or ()))
     if not targets:
         raise ConfigError(f"model.target_modules={target_modules!r} less model.exclude_modules={exclude_modules!r} "
@@ -117,31 +155,32 @@ def check_settings(rank, alpha, target_modules, exclude_modules, adapter_path) -
         resolve_targets(target_modules, exclude_modules)
 
 
-def module_path(name: str, stack: str = "layers") -> tuple[str, ...]:
-    """Where a target module's params sit in the params tree (`stack`: one of `cfg.layer_stacks`)."""
-    return ("model", stack, LORA_MODULES[name], name)
+def module_path(name: str, stack: str = "layers", cfg: DecoderConfig | None = None) -> tuple[str, ...]:
+    """Where a target module's params sit in the params tree (`stack`: one of `cfg.layer_stacks`; `cfg` None:
+    a dense model's)."""
+    modules = layer_modules(cfg, stack) if cfg is not None else {**ATTENTION_MODULES, **MLP_MODULES}
+    return ("model", stack, *modules[name], name)
 
 
 def adapter_sites(cfg: DecoderConfig, spec: LoraSpec) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(stack, target name, module path) of every adapted module, stack-major: a mixed MoE's dense layers
-    (`dense_layers`) hold adapters of their own, stacked over those layers."""
-    return [(stack, name, module_path(name, stack)) for stack in cfg.layer_stacks for name in spec.targets]
+    """(stack, target name, module path) of every adapted module, stack-major: each stack (a mixed MoE's dense
+    layers, a Qwen3.5's linear layers) holds the adapters of the targets its layers have, stacked over them."""
+    return [(stack, name, module_path(name, stack, cfg)) for stack in cfg.layer_stacks
+            for name in spec.targets if name in layer_modules(cfg, stack)]
 
 
-def _kernel_axes(cfg: DecoderConfig, name: str) -> tuple:
-    path = module_path(name) + ("kernel",)
-    return next(row.axes for row in LAYER_TABLES[cfg.model_type] + _MLP if row.path == path)
+def _kernel_axes(cfg: DecoderConfig, path: tuple[str, ...]) -> tuple:
+    kernel = path + ("kernel",)
+    return next(row.axes for row in param_table(cfg) if row.path == kernel)
 
 
 def adapter_shapes(cfg: DecoderConfig, spec: LoraSpec) -> dict:
     """The adapters' tree of ShapeDtypeStructs (param_dtype), as the LoRA model's params hold them."""
-    from jaxrl_llm.models.hf_table import _LAYER_SHAPES
-
     out: dict = {}
     dt = jnp.dtype(cfg.param_dtype)
-    for stack, name, path in adapter_sites(cfg, spec):
+    for stack, _, path in adapter_sites(cfg, spec):
         layers = len(cfg.layer_stacks[stack])
-        din, dout = _LAYER_SHAPES[(name, "kernel")](cfg)
+        din, dout = layer_shape(path + ("kernel",), cfg)
         set_path(out, path + ("lora_a",), jax.ShapeDtypeStruct((layers, din, spec.rank), dt))
         set_path(out, path + ("lora_b",), jax.ShapeDtypeStruct((layers, spec.rank, dout), dt))
     return out
@@ -152,23 +191,12 @@ def num_adapter_params(cfg: DecoderConfig, spec: LoraSpec | None) -> int:
     return 0 if spec is None else sum(x.size for x in jax.tree.leaves(adapter_shapes(cfg, spec)))
 
 
-def adapted_kernel_params(cfg: DecoderConfig, spec: LoraSpec | None) -> int:
-    """How many params the kernels the adapters of `spec` sit on hold (what a sync's merge writes anew)."""
-    if spec is None:
-        return 0
-    shapes, total = adapter_shapes(cfg, spec), 0
-    for path in adapted_paths(shapes):
-        mod = get_path(shapes, path[:-1])
-        total += mod["lora_a"].size // spec.rank * mod["lora_b"].shape[-1]
-    return total
-
-
 def adapter_shardings(cfg: DecoderConfig, spec: LoraSpec, mesh: Mesh | None) -> dict:
     """lora_a takes its kernel's input-axis sharding, lora_b its output-axis one; the rank is replicated."""
     out: dict = {}
     shapes = adapter_shapes(cfg, spec)
-    for _, name, path in adapter_sites(cfg, spec):
-        layers_ax, in_ax, out_ax = _kernel_axes(cfg, name)
+    for _, _, path in adapter_sites(cfg, spec):
+        layers_ax, in_ax, out_ax = _kernel_axes(cfg, path)
         for leaf, axes in (("lora_a", (layers_ax, in_ax, None)), ("lora_b", (layers_ax, None, out_ax))):
             shape = get_path(shapes, path + (leaf,)).shape
             sh = (SingleDeviceSharding(jax.devices()[0]) if mesh is None

@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import sharding
+from jaxrl_llm.models.layers import MLP, Linear
 from kernels.grouped_matmul import grouped_matmul
 
 
@@ -59,26 +60,28 @@ def route(x: jax.Array, router_w: jax.Array, *, top_k: int, norm_topk_prob: bool
 
 
 def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_w: jax.Array, up_w: jax.Array,
-                    down_w: jax.Array) -> jax.Array:
+                    down_w: jax.Array, layer: int | None = None) -> jax.Array:
     """Σ_j weights[:, j] · expert_{experts[:, j]}(x), with grouped matmuls over expert-sorted tokens.
 
     Args:
       x: [N, D]; weights: [N, k]; experts: [N, k] int32.
-      gate_w, up_w: [E, D, I]; down_w: [E, I, D].
+      gate_w, up_w: [E, D, I]; down_w: [E, I, D]; or, with `layer`, stacks [L, E, ...] of every layer's experts
+        in x's dtype, of which this layer's are read in place (the sampler's frozen base: no copy of them).
     Returns:
       [N, D] in x's dtype.
     """
     n, d = x.shape
     k = experts.shape[1]
-    num_experts = gate_w.shape[0]
+    num_experts = gate_w.shape[0 if layer is None else 1]
     flat = experts.reshape(-1)  # [N k]; an id >= E (another device's expert) sorts last and is skipped
     order = jnp.argsort(flat, stable=True)  # pair positions, grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E], ids >= E dropped
     xs = jnp.take(x, order // k, axis=0)  # [N k, D]
     dt = x.dtype
-    gate = grouped_matmul(xs, gate_w.astype(dt), group_sizes)  # [N k, I]
-    up = grouped_matmul(xs, up_w.astype(dt), group_sizes)
-    ys = grouped_matmul(jax.nn.silu(gate) * up, down_w.astype(dt), group_sizes)  # [N k, D]
+    cast = (lambda w: w.astype(dt)) if layer is None else (lambda w: w)
+    gate = grouped_matmul(xs, cast(gate_w), group_sizes, layer=layer)  # [N k, I]
+    up = grouped_matmul(xs, cast(up_w), group_sizes, layer=layer)
+    ys = grouped_matmul(jax.nn.silu(gate) * up, cast(down_w), group_sizes, layer=layer)  # [N k, D]
     in_group = jnp.arange(n * k) < jnp.sum(group_sizes)  # rows past the groups are not defined to be 0
     ys = jnp.where(in_group[:, None], ys * jnp.take(weights.reshape(-1), order)[:, None], 0)
     # Undo the sort with a gather (cheaper and deterministic, unlike a scatter-add), then sum the k.
@@ -148,20 +151,24 @@ def load_balancing_loss(stats: jax.Array) -> jax.Array:
 
 
 def moe_mlp(x: jax.Array, valid: jax.Array | None, router_w, gate_w, up_w, down_w, *, top_k: int,
-            norm_topk_prob: bool, expert_parallel: bool = False, replay: jax.Array | None = None):
+            norm_topk_prob: bool, expert_parallel: bool = False, replay: jax.Array | None = None,
+            layer: int | None = None):
     """The sparse MLP on [..., D] tokens -> ([..., D], router_stats [2, E + 1], experts [..., k] int32).
 
     valid: [...] bool or None. `expert_parallel`: split the experts over the mesh's expert axis (the
     trainer; the sampler keeps its weights whole on that axis). `replay`: [..., k] expert ids to use
-    (see `route`); the returned experts are the ones used, for recording.
+    (see `route`); the returned experts are the ones used, for recording. `layer`: the expert weights are
+    stacks of every layer's, read in place (`grouped_experts`; the sampler only).
     """
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     flat_replay = None if replay is None else replay.reshape(-1, top_k)
     logits, weights, experts = route(flat, router_w, top_k=top_k, norm_topk_prob=norm_topk_prob,
                                      replay=flat_replay)
-    experts_fn = expert_parallel_experts if expert_parallel else grouped_experts
-    y = experts_fn(flat, weights, experts, gate_w, up_w, down_w)
+    if expert_parallel:
+        y = expert_parallel_experts(flat, weights, experts, gate_w, up_w, down_w)
+    else:
+        y = grouped_experts(flat, weights, experts, gate_w, up_w, down_w, layer)
     valid = jnp.ones(flat.shape[:1], bool) if valid is None else valid.reshape(-1)
     return y.reshape(*lead, -1), router_stats(logits, experts, valid), experts.reshape(*lead, top_k)
 
@@ -187,17 +194,27 @@ class Experts(nnx.Module):
 
 class SparseMoeBlock(nnx.Module):
     """Router plus experts: `__call__(x [B, T, D], valid [B, T], replay [B, T, k]) -> ([B, T, D],
-    router_stats, experts [B, T, k])`."""
+    router_stats, experts [B, T, k])`. Qwen3.5-MoE (`cfg.shared_expert_intermediate_size`) adds a shared
+    SwiGLU expert every token goes through, scaled by sigmoid(shared_expert_gate(x)) [B, T, 1]."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.gate = Router(cfg, rngs=rngs)
         self.experts = Experts(cfg, rngs=rngs)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.dtype = jnp.dtype(cfg.dtype)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, rngs=rngs, width=cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, use_bias=False, cfg=cfg, rngs=rngs,
+                                             name="shared_expert_gate")
+        else:
+            self.shared_expert = self.shared_expert_gate = None
 
     def __call__(self, x: jax.Array, valid: jax.Array | None = None, replay: jax.Array | None = None):
         ex = self.experts
-        y, stats, experts = moe_mlp(x.astype(self.dtype), valid, self.gate.kernel[...], ex.gate_proj[...],
+        x = x.astype(self.dtype)
+        y, stats, experts = moe_mlp(x, valid, self.gate.kernel[...], ex.gate_proj[...],
                                     ex.up_proj[...], ex.down_proj[...], top_k=self.top_k,
                                     norm_topk_prob=self.norm_topk_prob, expert_parallel=True, replay=replay)
+        if self.shared_expert is not None:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return sharding.constrain(y, ("batch", "length", "act_embed")), stats, experts

@@ -2,8 +2,14 @@
 
 PEFT names an adapter of a causal LM `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
 [r, in] and `...lora_B.weight` [out, r]: torch's [out, in] layout, one tensor a layer. Ours are stacked
-over layers and transposed (lora_a [L, in, r], lora_b [L, r, out]); a mixed MoE's dense layers have their own
-stack (`dense_layers`), whose slots map to HF layer indices through `cfg.layer_stacks`.
+over layers and transposed (lora_a [L, in, r], lora_b [L, r, out]); each kind of layer has its own stack (a
+mixed MoE's `dense_layers`, a Qwen3.5's `linear_layers`), whose slots map to HF layer indices through
+`cfg.layer_stacks`, and the module's path under the layer is its path in our tree (`linear_attn.in_proj_qkv`,
+`mlp.shared_expert.gate_proj`).
+
+A Qwen3.5 inside its vision-language wrapper (the released `Qwen3_5ForConditionalGeneration`, and our Qwen3.5
+value model) keeps its layers under `model.language_model.`: adapters for such a base are written with that
+prefix (read from the base's config.json), and either prefix is read back.
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ import numpy as np
 from jaxrl_llm import distributed
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.errors import ConfigError
+from jaxrl_llm.models.families import hf_prefix
 from jaxrl_llm.models.lora import (
-    LORA_MODULES,
     LoraSpec,
     adapter_shapes,
     adapter_shardings,
@@ -32,8 +38,26 @@ _PREFIX = "base_model.model."
 _LEAVES = {"lora_a": "lora_A", "lora_b": "lora_B"}
 
 
-def peft_key(name: str, layer: int, leaf: str) -> str:
-    return f"{_PREFIX}model.layers.{layer}.{LORA_MODULES[name]}.{name}.{_LEAVES[leaf]}.weight"
+_PREFIXES = ("model.", "model.language_model.")  # the text model's layers; a vision-language wrapper's
+
+
+def peft_key(path: tuple[str, ...], layer: int, leaf: str, prefix: str = "model.") -> str:
+    """PEFT's name of HF layer `layer`'s adapter leaf of the module at params path `path` (`module_path`)."""
+    return f"{_PREFIX}{prefix}layers.{layer}.{'.'.join(path[2:])}.{_LEAVES[leaf]}.weight"
+
+
+def _layers_prefix(cfg: DecoderConfig, base_model: str | None, critic: bool) -> str:
+    """Where the base's layers sit: a critic's as our value model holds them; an actor's as the base directory's
+    config.json says (a vision-language checkpoint's under its wrapper), else as the text model holds them."""
+    raw = cfg.to_hf(critic=critic)
+    config = os.path.join(base_model, "config.json") if base_model is not None and not critic else ""
+    if os.path.isfile(config):
+        try:
+            with open(config) as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            pass
+    return hf_prefix(raw if isinstance(raw, dict) else {})
 
 
 def adapter_config(spec: LoraSpec, *, base_model: str | None, critic: bool = False) -> dict:
@@ -58,9 +82,10 @@ def save_peft(adapters: dict, spec: LoraSpec, out_dir: str | os.PathLike, cfg: D
     if not distributed.is_main():
         return os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    prefix = _layers_prefix(cfg, base_model, head is not None)
 
     def tensors():
-        for stack, name, path in adapter_sites(cfg, spec):
+        for stack, _, path in adapter_sites(cfg, spec):
             node = host
             for k in path:
                 node = node[k]
@@ -69,7 +94,7 @@ def save_peft(adapters: dict, spec: LoraSpec, out_dir: str | os.PathLike, cfg: D
                 if dtype is not None:
                     stacked = stacked.astype(jax.numpy.dtype(dtype))
                 for slot, layer in enumerate(cfg.layer_stacks[stack]):
-                    yield peft_key(name, layer, leaf), np.ascontiguousarray(stacked[slot].T)
+                    yield peft_key(path, layer, leaf, prefix), np.ascontiguousarray(stacked[slot].T)
         for leaf, hf in (("kernel", "weight"), ("bias", "bias")):
             if head is not None and leaf in head:
                 x = head[leaf].astype(jax.numpy.dtype(dtype)) if dtype is not None else head[leaf]
@@ -116,9 +141,11 @@ def load_peft(path: str, cfg: DecoderConfig, spec: LoraSpec, *, mesh=None) -> di
     if conf.get("use_rslora") or conf.get("use_dora"):
         raise ConfigError(f"model.lora_adapter_path={path!r}: rsLoRA and DoRA adapters are not supported")
     file = SafetensorsFile(os.path.join(path, WEIGHTS_NAME))
+    wrapped = any(n.startswith(_PREFIX + _PREFIXES[1]) for n in file.names())
+    prefix = _PREFIXES[1] if wrapped else _PREFIXES[0]
     shapes, shardings = adapter_shapes(cfg, spec), adapter_shardings(cfg, spec, mesh)
     out: dict = {}
-    for stack, name, site in adapter_sites(cfg, spec):
+    for stack, _, site in adapter_sites(cfg, spec):
         node_s, node_sh, node_o = shapes, shardings, out
         for k in site:
             node_s, node_sh, node_o = node_s[k], node_sh[k], node_o.setdefault(k, {})
@@ -126,7 +153,7 @@ def load_peft(path: str, cfg: DecoderConfig, spec: LoraSpec, *, mesh=None) -> di
             shape = node_s[leaf].shape
             layers = []
             for i in cfg.layer_stacks[stack]:
-                key = peft_key(name, i, leaf)
+                key = peft_key(site, i, leaf, prefix)
                 if key not in file.names():
                     raise ConfigError(f"model.lora_adapter_path={path!r}: {WEIGHTS_NAME} has no {key!r}; the adapter "
                                       f"is for another model (this one has {cfg.num_hidden_layers} layers)")

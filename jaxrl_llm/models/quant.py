@@ -1,8 +1,8 @@
 """The frozen base in 8 bits under LoRA (`model.base_quantization`): weight-only int8 or FP8 kernels.
 
-Each linear kernel W [in, out] of the decoder layers (q/k/v/o and gate/up/down, the modules LoRA can
-target) is held as `kernel` (int8, or float8_e4m3fn) and `kernel_scale` [out] fp32, symmetric with one
-scale an output channel:
+Each linear kernel W [in, out] of the decoder layers (the modules LoRA can target: q/k/v/o, gate/up/down,
+and a Qwen3.5's linear-attention projections in_proj_qkv/z/b/a and out_proj, in every stack) is held as
+`kernel` (int8, or float8_e4m3fn) and `kernel_scale` [out] fp32, symmetric with one scale an output channel:
 
     scale = max_i |W[i, :]| / qmax        (qmax: 127 for int8, 448 for e4m3)
     kernel = round(W / scale)             (int8: round to nearest, clipped; FP8: the cast's rounding)
@@ -17,6 +17,8 @@ same base to the same bits (the base is not checkpointed, only adapters and opti
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, SingleDeviceSharding
@@ -28,9 +30,9 @@ from jaxrl_llm.models.errors import ConfigError
 BASE_QUANTIZATIONS = ("none", "int8", "fp8")
 QDTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8": 448.0}
-# The layers' linear modules (the ones LoRA can target) and their parents in the params tree.
-QUANT_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# The layers' linear modules (the ones LoRA can target, `lora.LORA_MODULES`), found by name under any stack.
+QUANT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+                 "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "shared_expert_gate")
 SCALE = "kernel_scale"
 
 
@@ -71,21 +73,27 @@ def dequantize(kernel: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 def apply(cfg: DecoderConfig, kind: str) -> DecoderConfig:
     """The model config whose graph holds quantized kernels (`qwen2.Linear` reads `cfg.base_quantization`)."""
     if kind != "none" and cfg.is_moe:
-        raise ConfigError(f"model.base_quantization={kind!r}: an 8-bit base covers the dense linear kernels, and on a "
-                          "mixture-of-experts model (Qwen3-MoE) the routed experts, most of its weights, would stay "
-                          "in the compute dtype; set model.base_quantization = 'none'")
+        raise ConfigError(f"model.base_quantization={kind!r}: an 8-bit base covers the linear modules' kernels, and "
+                          "on a mixture-of-experts model (Qwen3-MoE, Qwen3.5-MoE) the routed experts, most of its "
+                          "weights, would stay in the compute dtype; set model.base_quantization = 'none'")
     return cfg if kind == "none" else cfg.replace(base_quantization=kind)
 
 
 def _modules(tree: dict):
-    """(parent dict, module name) of every quantizable module present in a params tree."""
-    for stack in ("layers", "dense_layers"):
-        layers = tree.get("model", {}).get(stack)
-        if layers is None:
-            continue
-        for name, parent in QUANT_MODULES.items():
-            if name in layers.get(parent, {}):
-                yield layers[parent], name
+    """(parent dict, module name, path) of every quantizable module present in a params tree's layer stacks
+    (`layers`, `dense_layers`, `linear_layers`), at any depth (`mlp.shared_expert.gate_proj`)."""
+    def walk(node, path):
+        for key, child in node.items():
+            if not isinstance(child, dict):
+                continue
+            if key in QUANT_MODULES and "kernel" in child:
+                yield node, key, path + (key,)
+            else:
+                yield from walk(child, path + (key,))
+
+    for stack, layers in tree.get("model", {}).items():
+        if stack.endswith("layers") and isinstance(layers, dict):
+            yield from walk(layers, ("model", stack))
 
 
 def _copy(tree):
@@ -96,7 +104,7 @@ def quantize_base(body: dict, kind: str) -> dict:
     """The frozen base with its layers' kernels quantized (pure; call under jit). Each stacked kernel
     [L, in, out] is quantized one layer at a time (`lax.map`), so the fp32 temporaries stay one layer's."""
     out = _copy(body)
-    for parent, name in _modules(out):
+    for parent, name, _ in _modules(out):
         mod = dict(parent[name])
         mod["kernel"], mod[SCALE] = jax.lax.map(lambda w: quantize(w, kind), mod["kernel"])
         parent[name] = mod
@@ -106,7 +114,7 @@ def quantize_base(body: dict, kind: str) -> dict:
 def dequantize_base(frozen: dict, dtype) -> dict:
     """The frozen tree with plain kernels in `dtype` (what a model without quantization runs); pure."""
     out = _copy(frozen)
-    for parent, name in _modules(out):
+    for parent, name, _ in _modules(out):
         mod = dict(parent[name])
         if SCALE in mod:
             mod["kernel"] = dequantize(mod["kernel"], mod.pop(SCALE), dtype)
@@ -129,15 +137,19 @@ def merge_module(mod: dict, dtype, lora_scale: float = 1.0) -> dict:
 
 def plain_layer(layer: dict, dtype) -> dict:
     """One decoder layer's params (a slice of the stack) with every quantized or adapted module made a
-    plain kernel (`merge_module`; adapters are expected pre-scaled, see `ModelState.engine_params`).
-    Plain layers pass through unchanged: the engines call this on every layer."""
-    out = dict(layer)
-    for name, parent in QUANT_MODULES.items():
-        mod = layer.get(parent, {}).get(name)
-        if mod is not None and (SCALE in mod or "lora_a" in mod):
-            out[parent] = dict(out[parent]) if out[parent] is layer[parent] else out[parent]
-            out[parent][name] = merge_module(mod, dtype)
-    return out
+    plain kernel (`merge_module`; adapters are expected pre-scaled, see `ModelState.engine_params`), at any
+    depth (`linear_attn.in_proj_qkv`, `mlp.shared_expert.up_proj`). Plain layers pass through unchanged (the
+    same dicts): the engines call this on every layer."""
+    out, changed = {}, False
+    for key, child in layer.items():
+        if isinstance(child, dict) and "kernel" in child and (SCALE in child or "lora_a" in child):
+            out[key], changed = merge_module(child, dtype), True
+        elif isinstance(child, dict):
+            out[key] = plain_layer(child, dtype)
+            changed = changed or out[key] is not child
+        else:
+            out[key] = child
+    return out if changed else layer
 
 
 def merged_base(frozen: dict, adapters: dict, lora_scale: float, dtype) -> dict:
@@ -146,7 +158,7 @@ def merged_base(frozen: dict, adapters: dict, lora_scale: float, dtype) -> dict:
     from jaxrl_llm.models.lora import combine
 
     out = _copy(combine(frozen, adapters))
-    for parent, name in _modules(out):
+    for parent, name, _ in _modules(out):
         parent[name] = merge_module(parent[name], dtype, lora_scale)
     return jax.tree.map(lambda x: x.astype(dtype), out)
 
@@ -154,36 +166,36 @@ def merged_base(frozen: dict, adapters: dict, lora_scale: float, dtype) -> dict:
 def frozen_shardings(cfg: DecoderConfig, base_sh: dict, mesh: Mesh | None) -> dict:
     """The quantized frozen tree's shardings: kernels as the base's, each scale [L, out] split like its
     kernel's layer and output axes."""
-    from jaxrl_llm.models.hf_table import _MLP, LAYER_TABLES
-
     out = _copy(base_sh)
-    rows = {row.path: row.axes for row in LAYER_TABLES[cfg.model_type] + _MLP}
-    for parent, name in _modules(out):
+    rows = {row.path: row for row in _quantized_rows(cfg)}
+    for parent, name, path in _modules(out):
         mod = dict(parent[name])
         if mesh is None:
             mod[SCALE] = SingleDeviceSharding(jax.devices()[0])
         else:
-            layers_ax, _, out_ax = rows[("model", "layers", QUANT_MODULES[name], name, "kernel")]
-            mod[SCALE] = sharding.named_sharding(mesh, (layers_ax, out_ax), _scale_shape(cfg, name))
+            row = rows[path + ("kernel",)]
+            layers_ax, _, out_ax = row.axes
+            mod[SCALE] = sharding.named_sharding(mesh, (layers_ax, out_ax), _scale_shape(row, cfg))
         parent[name] = mod
     return out
 
 
-def _scale_shape(cfg: DecoderConfig, name: str) -> tuple[int, int]:
-    from jaxrl_llm.models.hf_table import _LAYER_SHAPES
+def _quantized_rows(cfg: DecoderConfig) -> list:
+    """The HF table's rows of the kernels an 8-bit base holds in 8 bits (every stack's linear modules)."""
+    from jaxrl_llm.models.hf_table import param_table
 
-    return (len(cfg.layer_stacks["layers"]), _LAYER_SHAPES[(name, "kernel")](cfg)[1])
+    return [row for row in param_table(cfg) if row.stacked and row.path[-1] == "kernel"
+            and row.path[-2] in QUANT_MODULES]
+
+
+def _scale_shape(row, cfg: DecoderConfig) -> tuple[int, int]:
+    shape = row.shape(cfg)  # [L, in, out]
+    return (shape[0], shape[-1])
 
 
 def quantized_params(cfg: DecoderConfig) -> int:
     """How many of the model's params the quantization holds in 8 bits (the layers' linear kernels)."""
-    from jaxrl_llm.models.hf_table import _LAYER_SHAPES
-
-    per_layer = 0
-    for name in QUANT_MODULES:
-        din, dout = _LAYER_SHAPES[(name, "kernel")](cfg)
-        per_layer += din * dout
-    return per_layer * cfg.num_hidden_layers
+    return sum(math.prod(row.shape(cfg)) for row in _quantized_rows(cfg))
 
 
 def base_bytes(cfg: DecoderConfig, kind: str, compute_bytes: int = 2) -> float:
@@ -192,5 +204,5 @@ def base_bytes(cfg: DecoderConfig, kind: str, compute_bytes: int = 2) -> float:
     if kind == "none":
         return float(compute_bytes * n)
     q = quantized_params(cfg)
-    scales = 4.0 * sum(_scale_shape(cfg, name)[1] for name in QUANT_MODULES) * cfg.num_hidden_layers
+    scales = 4.0 * sum(math.prod(_scale_shape(row, cfg)) for row in _quantized_rows(cfg))
     return float(q) + compute_bytes * (n - q) + scales

@@ -30,17 +30,16 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm import sharding
-from jaxrl_llm.models import quant
 from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.layers import MLP, Linear, RMSNorm, _dtype, rms_norm
+from jaxrl_llm.models.linear_attention import GatedDeltaNet
 from jaxrl_llm.models.moe import SparseMoeBlock, load_balancing_loss
 from jaxrl_llm.models.remat import remat_policy
 from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
+__all__ = ["MLP", "Linear", "RMSNorm", "rms_norm"]  # re-exported: the sampler and older callers import them from here
+
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def _dtype(name: str):
-    return jnp.dtype(name)
 
 
 # ---- positions and masks (RoPE lives in rope.py) -----------------------------------------------------
@@ -124,70 +123,15 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax
 # ---- layers ------------------------------------------------------------------------------------
 
 
-class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel [in, out] stored in param_dtype, computed in dtype.
-
-    A module whose `name` is in `cfg.lora_targets` also holds a LoRA adapter: y += (x @ lora_a) @ lora_b
-    * alpha / rank, with lora_a [in, r] drawn as PEFT does and lora_b [r, out] zero, so a fresh adapter
-    changes nothing.
-    """
-
-    def __init__(self, din: int, dout: int, *, use_bias: bool, cfg: DecoderConfig, rngs: nnx.Rngs,
-                 name: str = ""):
-        init = jax.nn.initializers.normal(cfg.initializer_range)
-        pdt = _dtype(cfg.param_dtype)
-        if cfg.base_quantization != "none" and name in quant.QUANT_MODULES:  # a frozen 8-bit kernel, [out] scales
-            self.kernel = nnx.Param(jnp.zeros((din, dout), quant.QDTYPES[cfg.base_quantization]))
-            self.kernel_scale = nnx.Param(jnp.ones((dout,), jnp.float32))
-        else:
-            self.kernel = nnx.Param(init(rngs.params(), (din, dout), pdt))
-            self.kernel_scale = None
-        self.bias = nnx.Param(jnp.zeros((dout,), pdt)) if use_bias else None
-        self.dtype = _dtype(cfg.dtype)
-        if cfg.lora_rank and name in cfg.lora_targets:
-            r = cfg.lora_rank
-            bound = din ** -0.5  # PEFT: kaiming_uniform(a=sqrt(5)) on its [r, in] weight
-            self.lora_a = nnx.Param(jax.random.uniform(rngs.params(), (din, r), pdt, -bound, bound))
-            self.lora_b = nnx.Param(jnp.zeros((r, dout), pdt))
-            self.lora_scale = cfg.lora_alpha / r
-        else:
-            self.lora_a = self.lora_b = None
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(self.dtype)
-        if self.kernel_scale is None:
-            w = self.kernel[...].astype(self.dtype)
-        else:  # dequantized here, inside the layer scan: one layer's weights in the compute dtype at a time
-            w = quant.dequantize(self.kernel[...], self.kernel_scale[...], self.dtype)
-        y = jnp.dot(x, w)
-        if self.lora_a is not None:
-            low = jnp.dot(x, self.lora_a[...].astype(self.dtype))  # [..., r]
-            y = y + jnp.dot(low, self.lora_b[...].astype(self.dtype)) * jnp.asarray(self.lora_scale, self.dtype)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        return y
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF's RMSNorm (Qwen2, Qwen3 and Llama alike): normalise in fp32, cast back to x's dtype, then scale."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * xf.astype(x.dtype)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, cfg: DecoderConfig):
-        self.weight = nnx.Param(jnp.ones((dim,), _dtype(cfg.param_dtype)))
-        self.eps = cfg.rms_norm_eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps)
-
-
 class Attention(nnx.Module):
+    """Grouped-query attention's projections; Qwen3.5's (`cfg.is_hybrid`) q_proj also makes a per-head output
+    gate ([N, 2H] a token: each head's query, then its gate), applied as `output * sigmoid(gate)`."""
+
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         bias = cfg.qkv_bias
-        self.q_proj = Linear(cfg.hidden_size, cfg.q_dim, use_bias=bias, cfg=cfg, rngs=rngs, name="q_proj")
+        self.gated = cfg.is_hybrid
+        q_out = cfg.q_dim * (2 if self.gated else 1)
+        self.q_proj = Linear(cfg.hidden_size, q_out, use_bias=bias, cfg=cfg, rngs=rngs, name="q_proj")
         self.k_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=bias, cfg=cfg, rngs=rngs, name="k_proj")
         self.v_proj = Linear(cfg.hidden_size, cfg.kv_dim, use_bias=bias, cfg=cfg, rngs=rngs, name="v_proj")
         self.o_proj = Linear(cfg.q_dim, cfg.hidden_size, use_bias=False, cfg=cfg, rngs=rngs, name="o_proj")
@@ -199,53 +143,58 @@ class Attention(nnx.Module):
         self.impl = cfg.attention_impl
 
     def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
-        """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], with RoPE applied to q and k."""
+        """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], with RoPE applied to q and k, and the output
+        gate [B, T, N H] (None unless gated)."""
         b, t, _ = x.shape
         # Tagged for the remat policies (models/remat.py), as every saveable activation of the layer.
-        q = checkpoint_name(self.q_proj(x), "q_proj").reshape(b, t, self.num_heads, self.head_dim)
+        q = checkpoint_name(self.q_proj(x), "q_proj")
+        gate = None
+        if self.gated:
+            q, gate = jnp.split(q.reshape(b, t, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+            gate = gate.reshape(b, t, self.num_heads * self.head_dim)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
         k = checkpoint_name(self.k_proj(x), "k_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
         v = checkpoint_name(self.v_proj(x), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
-    def output(self, attn: jax.Array) -> jax.Array:
-        """attn [B, T, N, H] -> [B, T, D]."""
+    def output(self, attn: jax.Array, gate: jax.Array | None = None) -> jax.Array:
+        """attn [B, T, N, H] (and the gate [B, T, N H]) -> [B, T, D]."""
         b, t = attn.shape[:2]
-        return self.o_proj(attn.reshape(b, t, self.num_heads * self.head_dim))
-
-
-class MLP(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(d, f, use_bias=False, cfg=cfg, rngs=rngs, name="gate_proj")
-        self.up_proj = Linear(d, f, use_bias=False, cfg=cfg, rngs=rngs, name="up_proj")
-        self.down_proj = Linear(f, d, use_bias=False, cfg=cfg, rngs=rngs, name="down_proj")
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = checkpoint_name(self.gate_proj(x), "gate_proj"), checkpoint_name(self.up_proj(x), "up_proj")
-        h = jax.nn.silu(gate) * up  # [B, T, F]
-        h = sharding.constrain(h, ("batch", "length", "act_mlp"))
-        return self.down_proj(h)
+        out = attn.reshape(b, t, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
+        return self.o_proj(out)
 
 
 class DecoderLayer(nnx.Module):
-    """Attention and an MLP: dense SwiGLU, or (`sparse`, Qwen3-MoE) routed experts (`moe.py`)."""
+    """A token mixer and an MLP. The mixer is attention (`self_attn`) or, in a Qwen3.5 linear layer (`linear`),
+    a Gated DeltaNet (`linear_attn`); the MLP is a dense SwiGLU or (`sparse`) routed experts (`moe.py`), with
+    Qwen3.5-MoE's gated shared expert beside them."""
 
-    def __init__(self, cfg: DecoderConfig, *, sparse: bool = False, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, sparse: bool = False, linear: bool = False, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
-        self.self_attn = Attention(cfg, rngs=rngs)
+        if linear:
+            self.linear_attn = GatedDeltaNet(cfg, rngs=rngs)
+        else:
+            self.self_attn = Attention(cfg, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
         self.mlp = SparseMoeBlock(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, cos, sin, *, mask, lengths, valid=None, replay=None):
+    def __call__(self, x, cos, sin, *, mask, lengths, valid=None, replay=None, resets=None):
         """x: [B, T, D] -> (x [B, T, D], a sparse layer's (router stats, experts [B, T, k]) or None);
-        self-attention over the same T tokens. `valid` [B, T] marks the tokens the router stats count
-        (None: all); `replay` [B, T, k] are expert ids to replay (`moe.route`)."""
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
-        out = checkpoint_name(dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=self.self_attn.impl),
-                              "attention")
-        x = x + checkpoint_name(self.self_attn.output(out), "o_proj")
+        self-attention over the same T tokens. `valid` [B, T] marks the real tokens (the router stats count
+        them; None: all); `replay` [B, T, k] are expert ids to replay (`moe.route`); `resets` [B, T] start a
+        packed row (the linear layers' state restarts there)."""
+        y = self.input_layernorm(x)
+        if hasattr(self, "linear_attn"):
+            x = x + self.linear_attn(y, resets=resets, valid=valid)
+        else:
+            q, k, v, gate = self.self_attn.qkv(y, cos, sin)
+            out = checkpoint_name(dot_product_attention(q, k, v, mask=mask, lengths=lengths,
+                                                        impl=self.self_attn.impl), "attention")
+            x = x + checkpoint_name(self.self_attn.output(out, gate), "o_proj")
         y = self.post_attention_layernorm(x)
         aux = None
         if isinstance(self.mlp, SparseMoeBlock):
@@ -257,8 +206,20 @@ class DecoderLayer(nnx.Module):
         return x, aux
 
 
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] bool: the first token of each packed sequence (a linear layer's state restarts there)."""
+    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=0)
+    return (segment_ids != prev) & (segment_ids > 0)
+
+
 class DecoderModel(nnx.Module):
-    """Embedding, L stacked decoder layers and the final norm; returns hidden states."""
+    """Embedding, L stacked decoder layers and the final norm; returns hidden states.
+
+    The layers are stacked by kind (`cfg.layer_stacks`) and run by `lax.scan` over groups of `cfg.layer_period`
+    layers (one layer for a single-kind model, Qwen3.5's three linear layers and an attention layer), so the
+    compile time stays flat in depth; a model whose kinds follow no period (a Qwen3-MoE with a few dense layers)
+    scans each run of one kind in turn.
+    """
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -267,19 +228,22 @@ class DecoderModel(nnx.Module):
                                       param_dtype=_dtype(cfg.param_dtype), dtype=_dtype(cfg.dtype),
                                       rngs=rngs)
 
-        def make_layers(count, sparse):
+        def make_layers(count, sparse, linear):
             @nnx.split_rngs(splits=count)
             @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=count)
             def make(rngs):
-                return DecoderLayer(cfg, sparse=sparse, rngs=rngs)
+                return DecoderLayer(cfg, sparse=sparse, linear=linear, rngs=rngs)
 
             return make(rngs)
 
-        # One stack per kind of layer (`cfg.layer_stacks`): all layers of a dense model; a MoE's
-        # sparse layers, and its dense ones (mlp_only_layers, decoder_sparse_step) in `dense_layers`.
+        # One stack per kind of layer (`cfg.layer_stacks`): all layers of a dense model; a Qwen3-MoE's sparse
+        # layers, and its dense ones in `dense_layers`; a Qwen3.5's attention layers, and its linear ones in
+        # `linear_layers` (a Qwen3.5-MoE's layers are all sparse).
         stacks = cfg.layer_stacks
-        self.layers = make_layers(len(stacks["layers"]), cfg.is_moe)
-        self.dense_layers = make_layers(len(stacks["dense_layers"]), False) if "dense_layers" in stacks else None
+        self.layers = make_layers(len(stacks["layers"]), cfg.is_moe, False)
+        self.dense_layers = make_layers(len(stacks["dense_layers"]), False, False) if "dense_layers" in stacks else None
+        self.linear_layers = (make_layers(len(stacks["linear_layers"]), cfg.is_moe, True)
+                              if "linear_layers" in stacks else None)
         self.norm = RMSNorm(cfg.hidden_size, cfg=cfg)
 
     def __call__(self, input_ids, positions=None, attention_mask=None, *, segment_ids=None, lengths=None,
@@ -287,7 +251,7 @@ class DecoderModel(nnx.Module):
         """Final hidden states [B, T, D] in the compute dtype; then, each when asked for, the MoE
         router's load-balancing sums over every sparse layer ([2, E + 1], `moe.router_stats`) and the
         experts each token was routed to in each sparse layer ([B, T, L_moe, k] int32, the layers in
-        the order of `cfg.layer_stacks["layers"]`).
+        the order of `cfg.sparse_layers`).
 
         `routed_experts` [B, T, L_moe, k] int replays recorded routing (R2/R3, see `moe.route`; -1 rows
         route themselves).
@@ -301,11 +265,12 @@ class DecoderModel(nnx.Module):
         """
         cfg = self.cfg
         b, t = input_ids.shape
-        mask = valid = None
+        mask = valid = resets = None
         if segment_ids is None and attention_mask is not None:
             segment_ids = attention_mask.astype(jnp.int32)
         if segment_ids is not None:
             valid = segment_ids > 0
+            resets = segment_starts(segment_ids)
             lengths = None
             idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
             mask = segment_mask(segment_ids, segment_ids, idx, idx)
@@ -317,35 +282,64 @@ class DecoderModel(nnx.Module):
             valid = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling))
         x = self.embed_tokens(input_ids)  # [B, T, D]
         x = sharding.constrain(x, ("batch", "length", "act_embed"))
 
-        stats, routing = None, []
+        where = {i: (name, j) for name, ids in cfg.layer_stacks.items() for j, i in enumerate(ids)}
+        sparse_at = {i: n for n, i in enumerate(cfg.sparse_layers)}
+        stats, routing = None, {}
         replay = None if routed_experts is None else jnp.moveaxis(routed_experts, 2, 0)  # [L_moe, B, T, k]
-        for name, start, stop in cfg.layer_runs:  # one run for every family but a mixed MoE
-            graphdef, layer_state = nnx.split(getattr(self, name))
-            if (start, stop) != (0, len(cfg.layer_stacks[name])):
-                layer_state = jax.tree.map(lambda a, s=start, e=stop: a[s:e], layer_state)
-            run_replay = replay[start:stop] if replay is not None and name == "layers" and cfg.is_moe else None
+        for first, groups, period in layer_segments(cfg):
+            kinds = [where[first + r][0] for r in range(period)]
+            slot = [kinds[:r].count(kind) for r, kind in enumerate(kinds)]  # its place among its kind in a group
+            params, graphdefs = {}, {}
+            for kind in dict.fromkeys(kinds):  # each stack's layers of this segment, as [groups, per group, ...]
+                per, j0 = kinds.count(kind), where[first + kinds.index(kind)][1]
+                graphdefs[kind], state = nnx.split(getattr(self, kind))
+                params[kind] = jax.tree.map(
+                    lambda a, j0=j0, per=per, n=groups: a[j0: j0 + n * per].reshape(n, per, *a.shape[1:]), state)
+            layer_ids = [[first + g * period + r for g in range(groups)] for r in range(period)]
+            replays = [replay[jnp.asarray([sparse_at[i] for i in ids])] if replay is not None and ids[0] in sparse_at
+                       else None for ids in layer_ids]  # [groups, B, T, k] each
 
-            def body(h, xs, graphdef=graphdef):
-                layer = nnx.merge(graphdef, xs[0])
-                return layer(h, cos, sin, mask=mask, lengths=lengths, valid=valid, replay=xs[1])
+            def body(h, xs, kinds=kinds, slot=slot, graphdefs=graphdefs):
+                group_params, group_replays = xs
+                auxes = []
+                for r, kind in enumerate(kinds):
+                    layer = nnx.merge(graphdefs[kind], jax.tree.map(lambda a, j=slot[r]: a[j], group_params[kind]))
+                    h, aux = layer(h, cos, sin, mask=mask, lengths=lengths, valid=valid, replay=group_replays[r],
+                                   resets=resets)
+                    auxes.append(aux)
+                return h, tuple(auxes)
 
             if cfg.remat != "none":
                 body = jax.checkpoint(body, policy=remat_policy(cfg.remat), prevent_cse=False)
-            x, aux = jax.lax.scan(body, x, (layer_state, run_replay))
-            if aux is not None:
-                run_stats, run_experts = aux
-                run_stats = jnp.sum(run_stats, axis=0)
-                stats = run_stats if stats is None else stats + run_stats
-                routing.append(run_experts)  # [run, B, T, k]
+            x, auxes = jax.lax.scan(body, x, (params, replays))
+            for ids, aux in zip(layer_ids, auxes):
+                if aux is not None:  # a sparse layer: stats [groups, 2, E + 1], experts [groups, B, T, k]
+                    run_stats = jnp.sum(aux[0], axis=0)
+                    stats = run_stats if stats is None else stats + run_stats
+                    routing.update({i: aux[1][g] for g, i in enumerate(ids)})
         x = self.norm(x)
         out = (x,) + ((stats,) if with_router_stats else ())
         if with_routing:
-            out += (jnp.moveaxis(jnp.concatenate(routing), 0, 2) if routing else None,)
+            out += (jnp.stack([routing[i] for i in cfg.sparse_layers], axis=2) if routing else None,)
         return out if len(out) > 1 else x
+
+
+def layer_segments(cfg: DecoderConfig) -> list[tuple[int, int, int]]:
+    """The layer scan's plan: (first layer, groups, period) segments, each scanning `groups` groups of `period`
+    consecutive layers. A model whose layer kinds repeat with a period shorter than its depth (one kind: period 1)
+    is one segment; otherwise each run of one kind is a segment of period 1."""
+    period = cfg.layer_period
+    if period < cfg.num_hidden_layers or cfg.num_hidden_layers == 1:
+        return [(0, cfg.num_hidden_layers // period, period)]
+    segments, first = [], 0
+    for _, start, stop in cfg.layer_runs:
+        segments.append((first, stop - start, 1))
+        first += stop - start
+    return segments
 
 
 class DecoderForCausalLM(nnx.Module):

@@ -73,12 +73,14 @@ def remat_policy(name: str):
 
 
 def saved_values_per_layer(cfg, name: str) -> int:
-    """Values a token keeps on the device in one layer for the backward pass under `name` (the layer input
-    included; the softmax statistics, fp32, as two values a head). "none" keeps at least what "dots" keeps."""
+    """Values a token keeps on the device in one attention layer for the backward pass under `name` (the layer
+    input included; the softmax statistics, fp32, as two values a head). "none" keeps at least what "dots"
+    keeps. (A Qwen3.5's Gated DeltaNet layers carry no tags: trainer/memory.py counts them.)"""
     d, f, q, kv = cfg.hidden_size, cfg.active_intermediate_size, cfg.q_dim, cfg.kv_dim
     stats = 2 * cfg.num_attention_heads
+    q_out = q * (2 if cfg.is_hybrid else 1)  # Qwen3.5's q_proj makes the output gate too
     attention = d + q + stats
-    block = attention + q + 2 * kv + d
-    dots = q + 2 * kv + d + 2 * f + d + q + stats  # q/k/v, o_proj, gate/up, down, the attention (not the input)
+    block = attention + q_out + 2 * kv + d
+    dots = q_out + 2 * kv + d + 2 * f + d + q + stats  # q/k/v, o_proj, gate/up, down, the attention (no input)
     return {"full": d, "attention": attention, "attention_block": block, "offload_mlp": block,
             "mlp_gate": block + f}.get(name, dots)

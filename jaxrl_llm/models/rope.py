@@ -120,7 +120,11 @@ def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, 
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [B, T, heads, H]; cos/sin: [B, T, H]."""
+    """x: [B, T, heads, H]; cos/sin: [B, T, R] with R <= H: the first R dims of each head are rotated (HF's
+    partial rotary embedding when R < H, Qwen3.5's quarter), the rest pass through."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)

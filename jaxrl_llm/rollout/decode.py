@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import sharding
+from jaxrl_llm.models.linear_attention import decay_and_beta, gated_rms_norm, split_qkv
 from jaxrl_llm.models.moe import moe_mlp
 from jaxrl_llm.models.qwen2 import _MASK_VALUE, dot_product_attention, rms_norm, segment_mask
 from jaxrl_llm.models.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
@@ -53,10 +54,25 @@ class DecodeSpec:
     norm_topk_prob: bool = False
     num_moe_layers: int = 0  # Qwen3-MoE: how many layers are sparse
     record_routing: bool = False  # return each fed token's experts per sparse layer (routing replay R3)
+    rotary_dim: int = 0  # the dims of each head RoPE rotates (0: all; Qwen3.5: a quarter)
+    # Qwen3.5: zero-centred norms, the attention output gate, and the Gated DeltaNet layers' shapes
+    hybrid: bool = False
+    linear_layers: tuple[int, ...] = ()  # which layers are linear attention
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    conv_kernel: int = 0
+    state_dtype: str = "float32"  # the recurrent state's dtype in the engine's state slots
+    layer_slots: tuple[tuple[str, int], ...] = ()  # a MoE's (stack, index) of each layer: where its experts sit
 
     def inv_freq(self) -> jax.Array:
-        """RoPE inverse frequencies [H/2], from the function the trainer's model uses too."""
-        return rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+        """RoPE inverse frequencies [R/2], from the function the trainer's model uses too."""
+        return rope_inv_freq(self.rotary_dim or self.head_dim, self.rope_theta, self.rope_scaling)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
 
 def engine_layer(layer: dict, dtype) -> dict:
@@ -65,26 +81,42 @@ def engine_layer(layer: dict, dtype) -> dict:
     The family's optional weights carry over when the trainer layer has them: q/k/v biases (Qwen2)
     as `qkv_b`, the per-head q/k norms (Qwen3) as `q_norm` / `k_norm`. A sparse (MoE) layer has the
     router `router_w` [D, E] and the experts `expert_gate_w`, `expert_up_w` [E, D, I], `expert_down_w`
-    [E, I, D] in place of the dense MLP.
+    [E, I, D] in place of the dense MLP, and (Qwen3.5-MoE) the shared expert `shared_gate_up_w`, `shared_down_w`
+    and its gate `shared_gate_w` [D, 1]. A Qwen3.5 linear-attention layer has, instead of attention, one fused
+    input projection `lin_in_w` [D, E + Hv Dv + 2 Hv] (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), the conv
+    `conv_w` [K, E], `A_log`, `dt_bias`, the gated norm `lin_norm` [Dv] and `lin_out_w` [Hv Dv, D].
     """
-    a, m = layer["self_attn"], layer["mlp"]
+    m = layer["mlp"]
     cast = lambda x: x.astype(dtype)
-    out = {
-        "ln1": cast(layer["input_layernorm"]["weight"]),
-        "qkv_w": cast(jnp.concatenate([a["q_proj"]["kernel"], a["k_proj"]["kernel"], a["v_proj"]["kernel"]], -1)),
-        "o_w": cast(a["o_proj"]["kernel"]),
-        "ln2": cast(layer["post_attention_layernorm"]["weight"]),
-    }
-    if "experts" in m:
+    out = {"ln1": cast(layer["input_layernorm"]["weight"]), "ln2": cast(layer["post_attention_layernorm"]["weight"])}
+    if "linear_attn" in layer:
+        a = layer["linear_attn"]
+        out["lin_in_w"] = cast(jnp.concatenate([a[k]["kernel"] for k in ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                         "in_proj_a")], -1))
+        out["conv_w"] = cast(a["conv1d"]["kernel"][:, 0, :])
+        out["A_log"], out["dt_bias"] = cast(a["A_log"]), cast(a["dt_bias"])
+        out["lin_norm"], out["lin_out_w"] = cast(a["norm"]["weight"]), cast(a["out_proj"]["kernel"])
+    else:
+        a = layer["self_attn"]
+        out["qkv_w"] = cast(jnp.concatenate([a["q_proj"]["kernel"], a["k_proj"]["kernel"], a["v_proj"]["kernel"]],
+                                            -1))
+        out["o_w"] = cast(a["o_proj"]["kernel"])
+        if "bias" in a["q_proj"]:
+            out["qkv_b"] = cast(jnp.concatenate([a["q_proj"]["bias"], a["k_proj"]["bias"], a["v_proj"]["bias"]], -1))
+        if "q_norm" in a:
+            out["q_norm"], out["k_norm"] = cast(a["q_norm"]["weight"]), cast(a["k_norm"]["weight"])
+    if "gate" in m:  # a sparse layer (its experts may be read in place from the stack instead: `layer_params`)
         out["router_w"] = cast(m["gate"]["kernel"])
-        out.update({f"expert_{k}_w": cast(m["experts"][f"{k}_proj"]) for k in ("gate", "up", "down")})
+        if "experts" in m:
+            out.update({f"expert_{k}_w": cast(m["experts"][f"{k}_proj"]) for k in ("gate", "up", "down")})
+        if "shared_expert" in m:
+            sh = m["shared_expert"]
+            out["shared_gate_up_w"] = cast(jnp.concatenate([sh["gate_proj"]["kernel"], sh["up_proj"]["kernel"]], -1))
+            out["shared_down_w"] = cast(sh["down_proj"]["kernel"])
+            out["shared_gate_w"] = cast(m["shared_expert_gate"]["kernel"])
     else:
         out["gate_up_w"] = cast(jnp.concatenate([m["gate_proj"]["kernel"], m["up_proj"]["kernel"]], -1))
         out["down_w"] = cast(m["down_proj"]["kernel"])
-    if "bias" in a["q_proj"]:
-        out["qkv_b"] = cast(jnp.concatenate([a["q_proj"]["bias"], a["k_proj"]["bias"], a["v_proj"]["bias"]], -1))
-    if "q_norm" in a:
-        out["q_norm"], out["k_norm"] = cast(a["q_norm"]["weight"]), cast(a["k_norm"]["weight"])
     return out
 
 
@@ -93,33 +125,83 @@ ENGINE_LAYER_AXES = {
     "ln2": ("norm",), "gate_up_w": ("embed", "mlp"), "down_w": ("mlp", "embed"), "q_norm": ("norm",),
     "k_norm": ("norm",), "router_w": ("embed", None), "expert_gate_w": ("expert", "embed", "mlp"),
     "expert_up_w": ("expert", "embed", "mlp"), "expert_down_w": ("expert", "mlp", "embed"),
+    "shared_gate_up_w": ("embed", "mlp"), "shared_down_w": ("mlp", "embed"), "shared_gate_w": ("embed", None),
+    # the Gated DeltaNet: whole on every device of a shard (its fused columns are not head-aligned for `tensor`)
+    "lin_in_w": ("embed", None), "conv_w": (None, None), "A_log": (None,), "dt_bias": (None,), "lin_norm": ("norm",),
+    "lin_out_w": (None, "embed"),
 }
 
 
-def _layer(lp: dict, x, cos, sin, attend, spec: DecodeSpec):
+def _layer(lp: dict, x, cos, sin, attend, spec: DecodeSpec, recur=None):
     """The decoder layer on fused weights (any family: the optional weights in `lp` switch its parts).
-    x [B, T, D] -> (x, aux of `attend`, a sparse layer's experts [B, T, k] int32 or None)."""
+    x [B, T, D] -> (x, aux of the mixer, a sparse layer's experts [B, T, k] int32 or None).
+
+    The token mixer of an attention layer is `attend(q [B, T, N, H], k, v [B, T, K, H]) -> (out, aux)`; of a
+    Qwen3.5 linear layer `recur(mixed [B, T, E], g, beta [B, T, Hv], conv_w [K, E]) -> (o [B, T, Hv, Dv] fp32,
+    aux)`, which runs the conv and the gated delta rule against the engine's state slots."""
     b, t, _ = x.shape
     n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    y = rms_norm(x, lp["ln1"], spec.rms_norm_eps)
-    qkv = jnp.dot(y, lp["qkv_w"])  # [B, T, (N + 2K) H]
-    if "qkv_b" in lp:
-        qkv = qkv + lp["qkv_b"]
-    q = qkv[..., : n * h].reshape(b, t, n, h)
-    kk = qkv[..., n * h: (n + k) * h].reshape(b, t, k, h)
-    v = qkv[..., (n + k) * h:].reshape(b, t, k, h)
-    if "q_norm" in lp:
-        q, kk = rms_norm(q, lp["q_norm"], spec.rms_norm_eps), rms_norm(kk, lp["k_norm"], spec.rms_norm_eps)
-    out, aux = attend(apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v)
-    x = x + jnp.dot(out.reshape(b, t, n * h), lp["o_w"])
-    y = rms_norm(x, lp["ln2"], spec.rms_norm_eps)
+    y = rms_norm(x, lp["ln1"], spec.rms_norm_eps, offset=spec.hybrid)
+    if "lin_in_w" in lp:
+        e, hv, dv = spec.conv_dim, spec.linear_value_heads, spec.linear_value_dim
+        proj = jnp.dot(y, lp["lin_in_w"])  # [B, T, E + Hv Dv + 2 Hv]
+        mixed, z = proj[..., :e], proj[..., e: e + hv * dv].reshape(b, t, hv, dv)
+        g, beta = decay_and_beta(proj[..., e + hv * dv + hv:], proj[..., e + hv * dv: e + hv * dv + hv],
+                                 lp["A_log"], lp["dt_bias"])
+        o, aux = recur(mixed, g, beta, lp["conv_w"])
+        o = gated_rms_norm(o.astype(x.dtype), z, lp["lin_norm"], spec.rms_norm_eps)
+        x = x + jnp.dot(o.reshape(b, t, hv * dv), lp["lin_out_w"])
+    else:
+        qkv = jnp.dot(y, lp["qkv_w"])  # [B, T, (N (x2 with the gate) + 2K) H]
+        if "qkv_b" in lp:
+            qkv = qkv + lp["qkv_b"]
+        qw = n * h * (2 if spec.hybrid else 1)
+        q, gate = qkv[..., :qw], None
+        if spec.hybrid:  # each head's query, then its output gate
+            q, gate = jnp.split(q.reshape(b, t, n, 2 * h), 2, axis=-1)
+            gate = gate.reshape(b, t, n * h)
+        q = q.reshape(b, t, n, h)
+        kk = qkv[..., qw: qw + k * h].reshape(b, t, k, h)
+        v = qkv[..., qw + k * h:].reshape(b, t, k, h)
+        if "q_norm" in lp:
+            q = rms_norm(q, lp["q_norm"], spec.rms_norm_eps, offset=spec.hybrid)
+            kk = rms_norm(kk, lp["k_norm"], spec.rms_norm_eps, offset=spec.hybrid)
+        out, aux = attend(apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v)
+        out = out.reshape(b, t, n * h)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
+        x = x + jnp.dot(out, lp["o_w"])
+    y = rms_norm(x, lp["ln2"], spec.rms_norm_eps, offset=spec.hybrid)
     if "router_w" in lp:  # a sparse layer: grouped matmuls over the routed experts (models/moe.py)
-        y, _, experts = moe_mlp(y, None, lp["router_w"], lp["expert_gate_w"], lp["expert_up_w"],
-                                lp["expert_down_w"], top_k=spec.moe_top_k, norm_topk_prob=spec.norm_topk_prob)
-        return x + y, aux, experts
+        out, _, experts = moe_mlp(y, None, lp["router_w"], lp["expert_gate_w"], lp["expert_up_w"],
+                                  lp["expert_down_w"], top_k=spec.moe_top_k, norm_topk_prob=spec.norm_topk_prob,
+                                  layer=lp.get("expert_layer"))
+        if "shared_gate_up_w" in lp:
+            sg, su = jnp.split(jnp.dot(y, lp["shared_gate_up_w"]), 2, axis=-1)
+            out = out + jax.nn.sigmoid(jnp.dot(y, lp["shared_gate_w"])) * jnp.dot(jax.nn.silu(sg) * su,
+                                                                                  lp["shared_down_w"])
+        return x + out, aux, experts
     gate, up = jnp.split(jnp.dot(y, lp["gate_up_w"]), 2, axis=-1)  # [B, T, F] each
     x = x + jnp.dot(jax.nn.silu(gate) * up, lp["down_w"])
     return x, aux, None
+
+
+def layer_params(eparams: dict, i: int, spec: DecodeSpec) -> dict:
+    """Layer i's engine weights. A sparse layer whose experts the engine reads in place (`eparams["experts"]`, see
+    rollout/engine_weights.py) gets its stack's [L, E, ...] arrays and its index in them (a static int)."""
+    lp = eparams["layers"][i]
+    if "experts" not in eparams or "router_w" not in lp or "expert_gate_w" in lp:
+        return lp
+    stack, j = spec.layer_slots[i]
+    ex = eparams["experts"][stack]
+    return {**lp, "expert_gate_w": ex["gate_proj"], "expert_up_w": ex["up_proj"], "expert_down_w": ex["down_proj"],
+            "expert_layer": j}
+
+
+def split_mixed(mixed: jax.Array, spec: DecodeSpec):
+    """The conv's output [..., E] -> q, k [..., Hk, Dk] (normalised, q scaled) and v [..., Hv, Dv]."""
+    return split_qkv(mixed, spec.linear_key_heads, spec.linear_value_heads, spec.linear_key_dim,
+                     spec.linear_value_dim)
 
 
 def stack_routing(experts: list) -> jax.Array | None:
@@ -130,7 +212,7 @@ def stack_routing(experts: list) -> jax.Array | None:
 
 def _final_logits(eparams, h, spec: DecodeSpec):
     """h [R, D] -> fp32 logits [R, V]."""
-    h = rms_norm(h, eparams["norm"], spec.rms_norm_eps)
+    h = rms_norm(h, eparams["norm"], spec.rms_norm_eps, offset=spec.hybrid)
     return jnp.dot(h, eparams["head"], preferred_element_type=jnp.float32)
 
 
@@ -164,7 +246,8 @@ def prefill_into(eparams, caches, ids, mask, row0, prompt_slots, *, spec: Decode
     x = jnp.take(eparams["embed"], ids, axis=0)
     at = (row0, 0, prompt_slots - ps, 0)
     new, experts = [], []
-    for lp, (kc, vc) in zip(eparams["layers"], caches):
+    for i, (kc, vc) in enumerate(caches):
+        lp = layer_params(eparams, i, spec)
 
         def attend(q, k, v, kc=kc, vc=vc):
             out = dot_product_attention(q, k, v, mask=attn_mask, lengths=None, impl="xla")
@@ -287,7 +370,8 @@ def decode_segment(eparams, state, caches, prompt_start, prompt_slots, t_end, *,
         ends = jnp.where(st["done"], prompt_start, slot + 1)  # [R]
         x = jnp.take(eparams["embed"], tok_in[:, None], axis=0)  # [R, 1, D]
         new_cs, experts = [], []
-        for lp, (kc, vc) in zip(eparams["layers"], cs):
+        for i, (kc, vc) in enumerate(cs):
+            lp = layer_params(eparams, i, spec)
 
             def attend(q, k, v, kc=kc, vc=vc):
                 at = (0, 0, slot, 0)

@@ -2,11 +2,14 @@
 the refusal of a request that cannot fit.
 
 A pool's size is decided once, at the first call (when the trainer's state is on the devices), and kept: its
-shape is in every program's key, so a size taken from the free memory of the moment would recompile them at
-a later call. It changes only when it must: an unbounded pool (no budget, no allocator statistics: the CPU)
-grows for a request that needs more, and a pool sized from `gpu_memory_utilization` shrinks when what the
-devices already hold has grown so much that it no longer fits (a recompile is better than running out of
-memory).
+shape is in every program's key, so a size taken from the free memory of the moment, or from a call's rows,
+would recompile them at a later call. Where there is no budget (no `kv_cache_memory_bytes`, no allocator
+statistics: the CPU) the pool holds what a shard can ever hold at once, `max_num_seqs` rows of
+`max_model_len` tokens, whatever the call. It changes only when it must: a pool sized from
+`gpu_memory_utilization` shrinks when what the devices already hold has grown so much that it no longer fits
+(a recompile is better than running out of memory), and, where `max_model_len` is None, the block tables'
+width (and so the unbudgeted pool) grows for a longer row. A linear-attention model (Qwen3.5) also takes state
+slots out of the same budget (`_with_state_slots`); without a budget, slots for `max_num_seqs` rows.
 """
 
 from __future__ import annotations
@@ -37,10 +40,45 @@ class EngineMemory:
         return k // self._tensor if k % self._tensor == 0 else k
 
     def page_bytes(self) -> int:
-        """One page's K and V over every layer, on one device."""
+        """One page's K and V over every attention layer, on one device."""
         itemsize = jnp.dtype(self.cfg.dtype).itemsize
-        return self.page_size * kv_bytes_per_token(self.cfg.num_hidden_layers, self._kv_heads_local,
-                                                   self.cfg.head_dim, itemsize)
+        attention_layers = self.cfg.num_hidden_layers - len(self.cfg.layer_stacks.get("linear_layers", ()))
+        return self.page_size * kv_bytes_per_token(attention_layers, self._kv_heads_local, self.cfg.head_dim, itemsize)
+
+    def state_bytes(self) -> int:
+        """One state slot (conv window and recurrent state) over every linear-attention layer, on one device."""
+        c = self.cfg
+        linear = len(c.layer_stacks.get("linear_layers", ()))
+        conv = (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim * jnp.dtype(c.dtype).itemsize
+        rec = (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+               * jnp.dtype(self.linear_state_dtype).itemsize)
+        return linear * (conv + rec)
+
+    def _with_state_slots(self, want: KvBudget, model_len: int) -> KvBudget:
+        """A linear-attention model's budget: the slot cap and state slots carved out of `want`'s pages (see the
+        module docstring)."""
+        sb, pb = self.state_bytes(), want.page_bytes
+        if want.source == "unbounded":  # no budget: slots for max_num_seqs rows (not a call's), pages as for attention
+            cap = self.max_num_seqs
+            return dataclasses.replace(want, state_slots=cap + max(1, cap // 4) + 1, slot_cap=cap)
+        total = want.num_pages * pb
+        per_row = sb * 1.25 + pages_for(max(1, model_len // 2), self.page_size) * pb
+        cap = max(1, min(self.max_num_seqs, int(total // per_row)))
+        slots = cap + max(1, cap // 4) + 1
+        pages = max(0, int((total - slots * sb) // pb))
+        return dataclasses.replace(want, num_pages=pages, state_slots=slots, slot_cap=cap)
+
+    def _layer_state_fp32(self) -> int:
+        """One row's recurrent state in one linear layer, in fp32 (how prefill computes it)."""
+        c = self.cfg
+        return c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+
+    def prefill_row_cap(self) -> int:
+        """Rows a prefill call takes at most (0: no cap): a Qwen3.5's rows each carry an fp32 recurrent state
+        through a linear layer's chunked form (a few copies of it), held within ATTN_BYTES."""
+        if not self.cfg.is_hybrid:
+            return 0
+        return max(1, ATTN_BYTES // (4 * self._layer_state_fp32()))
 
     def workspace_bytes(self, table_width: int) -> int:
         """The decode and prefill temporaries a device holds beside the pool (an estimate from shapes)."""
@@ -51,21 +89,32 @@ class EngineMemory:
         if self.decode_attention == "xla":  # one layer's gathered pages and scores
             decode += s * table_width * self.page_size * (2 * kh * c.head_dim * itemsize + n * 4 * 2)
         t = self.max_num_batched_tokens
-        prefill = t * (3 * c.hidden_size + c.q_dim + 2 * c.kv_dim + 3 * c.intermediate_size) * itemsize
+        width = c.intermediate_size or c.moe_intermediate_size * c.num_experts_per_tok
+        prefill = t * (3 * c.hidden_size + c.q_dim + 2 * c.kv_dim + 3 * width) * itemsize
         prefill += 2 * ATTN_BYTES
+        if c.is_hybrid:  # a linear layer's rows' new states (decode), and its chunked form's states (prefill)
+            decode += 2 * s * self._layer_state_fp32() // 4 * jnp.dtype(self.linear_state_dtype).itemsize
+            prefill += ATTN_BYTES + t * c.linear_conv_dim * 4 * 4
         return int(max(decode, prefill) + (256 << 20))
 
-    def _pool_budget(self, rows: int, longest: int) -> KvBudget:
-        """Each shard's pool (see the module docstring); every process builds the same."""
+    def _pool_budget(self, longest: int) -> KvBudget:
+        """Each shard's pool (see the module docstring); every process builds the same. Without a budget: a page
+        for every position of `max_num_seqs` rows of `max_model_len` tokens (the block tables' width when it is
+        None), and the scratch page. `longest`: the call's longest row, for a linear-attention model's share of a
+        budget where max_model_len is None (its width grows with the rows then anyway)."""
         width = self.ladders.width
-        unbounded = min(rows, self.max_num_seqs) * pages_for(longest, self.page_size) + 1
+        model_len = self.max_model_len or width * self.page_size  # tokens a row holds at most
+        unbounded = self.max_num_seqs * pages_for(model_len, self.page_size) + 1
         want = size_pool(page_bytes=self.page_bytes(), workspace=self.workspace_bytes(width),
                          gpu_memory_utilization=self.gpu_memory_utilization,
                          kv_cache_memory_bytes=self.kv_cache_memory_bytes, unbounded_pages=unbounded,
                          device=self._base.devices[0])
+        if self.cfg.is_hybrid:
+            want = self._with_state_slots(want, self.max_model_len or longest + 1)
         if distributed.process_count() > 1:
-            pages = min(distributed.allgather_objects(want.num_pages))
-            want = KvBudget(pages, want.page_bytes, want.source, want.device_limit, want.in_use, want.workspace)
+            pages, slots, cap = (min(v) for v in zip(*distributed.allgather_objects(
+                (want.num_pages, want.state_slots, want.slot_cap))))
+            want = dataclasses.replace(want, num_pages=pages, state_slots=slots, slot_cap=cap)
         have = self._budget
         held = any(s.pool is not None for s in self.local_shards)  # then in_use counts the pool itself
         if have is not None and (not self._must_resize(have, want) or (held and want.source == have.source
@@ -85,6 +134,8 @@ class EngineMemory:
             return want.num_pages != have.num_pages
         if want.source == "unbounded":
             return want.num_pages > have.num_pages
+        if want.state_slots != have.state_slots:
+            return want.state_slots < SHRINK_SLACK * have.state_slots
         return want.num_pages < SHRINK_SLACK * have.num_pages
 
     def _check_fits(self, budget: KvBudget, longest: int, prompt_len: int, max_new: int) -> None:
@@ -121,18 +172,17 @@ class EngineMemory:
         model_len = self.max_model_len or self.max_prompt_length + 1
         lad = Ladders(width=pow2(pages_for(model_len, self.page_size)), page_size=self.page_size,
                       num_heads=self.cfg.num_attention_heads, max_batched_tokens=self.max_num_batched_tokens,
-                      max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs)
+                      max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs, max_rows=self.prefill_row_cap())
         spec = dataclasses.replace(self._spec(SamplingParams(), self.decode_attention), max_new_tokens=0)
-        shape = (spec.num_kv_heads, pages_for(model_len, self.page_size) + 1, self.page_size, spec.head_dim)
-        page = jax.ShapeDtypeStruct(shape, jnp.dtype(self.cfg.dtype), sharding=base.pool_sharding(shape))
-        pool = [(page, page) for _ in range(spec.num_layers)]
+        pool = self.abstract_pool(spec, pages_for(model_len, self.page_size) + 1, self.max_num_seqs + 2, base)
         fresh, cont = lad.fresh_lengths(self.max_prompt_length)[-1], lad.cont_lengths[-1]
         programs = [
             ("decode", "_decode", np.zeros((lad.slot_cap_bucket, lad.width + paged_decode.DECODE_COLS), np.int32), {}),
             (f"prefill {fresh}", "_prefill", np.zeros((lad.rows(fresh, True), fresh + lad.table_width(fresh, True)
-                                                       + 2), np.int32), {"length": fresh}),
-            (f"prefill {cont} (continuation)", "_prefill", np.zeros((lad.rows(cont, False), cont + lad.width + 2),
-                                                                   np.int32), {"length": cont}),
+                                                       + paged_decode.PREFILL_COLS), np.int32), {"length": fresh}),
+            (f"prefill {cont} (continuation)", "_prefill", np.zeros((lad.rows(cont, False), cont + lad.width
+                                                                    + paged_decode.PREFILL_COLS), np.int32),
+             {"length": cont}),
         ]
         out = []
         with jax.set_mesh(base.mesh):
@@ -144,6 +194,18 @@ class EngineMemory:
                     need += stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
                 out.append((label, int(need)))
         return out
+
+    def abstract_pool(self, spec, num_pages: int, state_slots: int, shard):
+        """ShapeDtypeStructs of a shard's pool (its programs' input): pages [K, P, ps, H] per attention layer, state
+        slots (replicated over the shard's devices) per linear layer."""
+        from jaxrl_llm.rollout import paged_decode
+
+        shape = (spec.num_kv_heads, num_pages, self.page_size, spec.head_dim)
+        page = jax.ShapeDtypeStruct(shape, jnp.dtype(self.cfg.dtype), sharding=shard.pool_sharding(shape))
+        conv, rec = paged_decode.state_shapes(spec, state_slots)
+        slots = (jax.ShapeDtypeStruct(conv, jnp.dtype(self.cfg.dtype), sharding=shard.replicated),
+                 jax.ShapeDtypeStruct(rec, jnp.dtype(spec.state_dtype), sharding=shard.replicated))
+        return [slots if i in spec.linear_layers else (page, page) for i in range(spec.num_layers)]
 
     def release(self) -> None:
         """Frees the KV pools now (they are re-allocated, at the same size, by the next `generate`)."""

@@ -2,6 +2,12 @@
 
 Weight sync is in memory: the trainer's params are cast and resharded to the engine layout
 (`sharding.ENGINE_RULES`: replicated over data/fsdp, split over tensor) by one jitted function.
+
+A mixture of experts' stacked experts ([L, E, D, I] a stack) are read in place instead where they already are what
+the engine would make of them: in the engine's dtype and layout (a frozen bf16 base under LoRA, on the engine's
+devices). The engine then keeps a reference, not a copy (61 GB of Qwen3-30B-A3B's), and its programs index the
+layer in the stack (`grouped_matmul(..., layer=j)`). Whoever passes them keeps them alive and unchanged while the
+engine holds them (the trainer syncs new weights before every rollout, and frees nothing the engine reads).
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ def resolve_decode_attention(impl: str, supported: bool, why: str) -> str:
 class EngineWeights:
     """The engine's compute-dtype weights on its mesh, and the helpers every JAX engine uses."""
 
+    # The paged engine's option (Qwen3.5's recurrent state in its state slots); the dense engine serves no
+    # linear-attention model.
+    linear_state_dtype = "float32"
+
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
                  max_prompt_length: int = 1024):
         self.cfg = cfg.replace(dtype=dtype, param_dtype=dtype, remat="none", attention_impl="xla")
@@ -43,25 +53,26 @@ class EngineWeights:
         self.max_prompt_length = max_prompt_length
         self.version = 0
         self._dp = sharding.data_parallel_size(mesh) if mesh is not None else 1
-        self._shardings = self._engine_shardings()
-        self._convert = jax.jit(self._to_engine, out_shardings=self._shardings)
+        self._converters: dict[tuple[str, ...], object] = {}
+        self._convert = self._converter(())
         self.params = None
         self._sync: WeightSync | None = None  # made at the first update from other devices
         if params is not None:
             self.update_weights(params)
 
-    def _engine_shardings(self):
-        cfg, mesh = self.cfg, self.mesh
+    def _sharding(self, axes, shape):
+        if self.mesh is None:
+            return SingleDeviceSharding(jax.devices()[0])
+        return sharding.named_sharding(self.mesh, axes, shape, rules=sharding.ENGINE_RULES)
 
-        def sh(axes, shape):
-            if mesh is None:
-                return SingleDeviceSharding(jax.devices()[0])
-            return sharding.named_sharding(mesh, axes, shape, rules=sharding.ENGINE_RULES)
-
+    def _engine_shardings(self, shared: tuple[str, ...] = ()):
+        cfg, sh = self.cfg, self._sharding
         per_stack = {}
         for stack in cfg.layer_stacks:  # one layout per kind of layer (dense, or a MoE's sparse layers)
-            shapes = jax.eval_shape(lambda layer: decode.engine_layer(layer, jnp.dtype(cfg.dtype)),
-                                    _abstract_layer(cfg, stack))
+            layer = _abstract_layer(cfg, stack)
+            if stack in shared:
+                del layer["mlp"]["experts"]
+            shapes = jax.eval_shape(lambda layer: decode.engine_layer(layer, jnp.dtype(cfg.dtype)), layer)
             per_stack[stack] = {k: sh(decode.ENGINE_LAYER_AXES[k], v.shape) for k, v in shapes.items()}
         return {
             "embed": sh(("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size)),
@@ -69,6 +80,28 @@ class EngineWeights:
             "norm": sh(("norm",), (cfg.hidden_size,)),
             "head": sh(("embed", "vocab"), (cfg.hidden_size, cfg.vocab_size)),
         }
+
+    def _converter(self, shared: tuple[str, ...]):
+        """The jitted trainer -> engine conversion of params whose `shared` stacks' experts were taken out."""
+        if shared not in self._converters:
+            self._converters[shared] = jax.jit(self._to_engine, out_shardings=self._engine_shardings(shared))
+        return self._converters[shared]
+
+    def shared_experts(self, params) -> dict[str, dict]:
+        """{stack: {"gate_proj", "up_proj", "down_proj": [L, E, ...]}} of the stacked experts in `params` the engine
+        can read in place (see the module docstring): already in its dtype and layout."""
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        out = {}
+        for stack in cfg.layer_stacks if cfg.is_moe else ():
+            experts = params["model"][stack]["mlp"].get("experts")
+            if experts is None or getattr(experts.get("gate_proj"), "sharding", None) is None:
+                continue
+            target = lambda a: self._sharding(("layers",) + decode.ENGINE_LAYER_AXES["expert_gate_w"], a.shape) \
+                if a.ndim == 4 else None
+            if all(a.dtype == dt and target(a) is not None and a.sharding.is_equivalent_to(target(a), a.ndim)
+                   for a in experts.values()):
+                out[stack] = {k: _relabel(a, target(a)) for k, a in experts.items()}
+        return out
 
     def _to_engine(self, params):
         dt = jnp.dtype(self.cfg.dtype)
@@ -103,8 +136,19 @@ class EngineWeights:
             if self._sync is None:
                 self._sync = WeightSync(self.cfg, self.mesh, dtype=self.cfg.dtype)
             params = self._sync(params)
-        with self._mesh_ctx():
-            return self._convert(params)
+        shared = self.shared_experts(params)
+        convert, rest = self.conversion(params)
+        with self._mesh_ctx():  # the conversion leaves those stacks' experts out: the engine reads them in place
+            out = convert(rest)
+        if shared:
+            out["experts"] = shared
+        return out
+
+    def conversion(self, params) -> tuple:
+        """(the jitted conversion `convert` runs on `params`, its input): `params` less the experts the engine
+        reads in place. Shapes will do; the memory check compiles it."""
+        shared = tuple(sorted(self.shared_experts(params)))
+        return self._converter(shared), _without_experts(params, shared)
 
     def release_weights(self) -> None:
         """Drops the engine's weights until the next `update_weights`, so the trainer's update has their memory
@@ -140,8 +184,21 @@ class EngineWeights:
             pad_id=self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0,
             max_new_tokens=int(sampling.max_new_tokens), attention=attention,
             moe_top_k=self.cfg.num_experts_per_tok if self.cfg.is_moe else 0, norm_topk_prob=self.cfg.norm_topk_prob,
-            num_moe_layers=len(self.cfg.layer_stacks["layers"]) if self.cfg.is_moe else 0,
-            record_routing=bool(sampling.return_routed_experts) and self.cfg.is_moe)
+            num_moe_layers=len(self.cfg.sparse_layers),
+            layer_slots=tuple(layer_slots(self.cfg)) if self.cfg.is_moe else (),
+            record_routing=bool(sampling.return_routed_experts) and self.cfg.is_moe, **self._linear_spec())
+
+    def _linear_spec(self) -> dict:
+        """The DecodeSpec fields of Qwen3.5's hybrid layers (none for the other families)."""
+        c = self.cfg
+        if not c.is_hybrid:
+            return {}
+        return dict(rotary_dim=c.rotary_dim, hybrid=True,
+                    linear_layers=tuple(i for i in range(c.num_hidden_layers) if c.is_linear_layer(i)),
+                    linear_key_heads=c.linear_num_key_heads, linear_value_heads=c.linear_num_value_heads,
+                    linear_key_dim=c.linear_key_head_dim, linear_value_dim=c.linear_value_head_dim,
+                    conv_kernel=c.linear_conv_kernel_dim,
+                    state_dtype=self.linear_state_dtype)
 
     def _request_spec(self, prompts, sampling: SamplingParams, row_max=None) -> decode.DecodeSpec:
         """Checks a request before any work (one clear error per problem); returns its decode spec.
@@ -185,6 +242,24 @@ def row_streams(seeds, rows: int) -> np.ndarray:
     if out.size and (out.min() < 0 or out.max() >= 2**31):
         raise RolloutError("seeds must be in [0, 2**31): each one seeds a row's stream through fold_in")
     return out.astype(np.int32)
+
+
+def _relabel(x, target):
+    """`x` under the engine's own sharding object (an equivalent one: the same buffers, no copy)."""
+    if not isinstance(x, jax.Array) or x.sharding == target:
+        return x
+    return jax.make_array_from_single_device_arrays(x.shape, target, [s.data for s in x.addressable_shards])
+
+
+def _without_experts(params: dict, stacks) -> dict:
+    """`params` with the experts of `stacks` left out (a new tree around the same arrays)."""
+    if not stacks:
+        return params
+    model = dict(params["model"])
+    for stack in stacks:
+        mlp = {k: v for k, v in model[stack]["mlp"].items() if k != "experts"}
+        model[stack] = {**model[stack], "mlp": mlp}
+    return {**params, "model": model}
 
 
 def layer_slots(cfg: Qwen2Config) -> list[tuple[str, int]]:

@@ -11,7 +11,8 @@ Per `generate` call:
   that another has not admitted yet; no shard waits for another's rows.
 * **Pool**: each shard's pages of `page_size` tokens, sized once from the budget (`gpu_memory_utilization` of
   the device's memory, counting what the trainer and the engine's weights already hold, or an explicit
-  `kv_cache_memory_bytes`) and kept at that size across calls (released after each call when
+  `kv_cache_memory_bytes`; without either, on the CPU, `max_num_seqs` rows of `max_model_len` tokens, whatever
+  a call's rows) and kept at that size across calls (released after each call when
   `free_cache_engine`, so the update gets the memory back). A request whose longest row cannot fit a pool is
   refused before any work, with the keys to change.
 * **Scheduler** (rollout/scheduler.py): admission while pages and slots are free, refills as rows finish,
@@ -85,6 +86,9 @@ class JaxEngine(EngineMemory, EngineWeights):
       share_prompt_pages: the n samples of a prompt share its prompt's pages.
       warm_programs: build every program of the ladders before the first call: "auto" (on accelerators; on
         the CPU programs compile when first needed), True or False.
+      linear_state_dtype: the dtype of a Qwen3.5 linear layer's recurrent state in the engine's state slots:
+        "auto" (the engine's `dtype`), "float32" (as transformers keeps it) or "bfloat16" (half what a decode
+        step reads and writes).
     """
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
@@ -92,7 +96,7 @@ class JaxEngine(EngineMemory, EngineWeights):
                  max_num_batched_tokens: int = 8192, page_size: int = 16, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, free_cache_engine: bool = True,
                  decode_attention: str = "auto", max_segment: int = 64, share_prompt_pages: bool = True,
-                 warm_programs: bool | str = "auto"):
+                 warm_programs: bool | str = "auto", linear_state_dtype: str = "auto"):
         _check(page_size >= 1 and page_size & (page_size - 1) == 0, "rollout.page_size",
                f"{page_size}: use a power of two (16 is vLLM's default)")
         _check(max_num_seqs >= 1, "rollout.max_num_seqs", f"{max_num_seqs}: need >= 1")
@@ -103,6 +107,9 @@ class JaxEngine(EngineMemory, EngineWeights):
                f"{kv_cache_memory_bytes}: need a positive byte count, or None to size from the fraction")
         _check(max_model_len is None or max_model_len >= 2, "rollout.max_model_len",
                f"{max_model_len}: need prompt + response tokens (>= 2), or None")
+        _check(linear_state_dtype in ("auto", "float32", "bfloat16"), "rollout.linear_state_dtype",
+               f"{linear_state_dtype!r}: use 'auto', 'float32' or 'bfloat16'")
+        self.linear_state_dtype = dtype if linear_state_dtype == "auto" else linear_state_dtype
         from kernels.paged_attention import paged_attention_supported
 
         self.decode_attention = resolve_decode_attention(
@@ -177,14 +184,17 @@ class JaxEngine(EngineMemory, EngineWeights):
     def _decode(self, eparams, pool, packed, *, spec):
         return paged_decode.decode_packed(eparams, pool, packed, spec=spec, max_seg=self.max_segment)
 
-    def _alloc_fn(self, shard: Shard, num_pages: int, spec, pool_sharding: NamedSharding):
+    def _alloc_fn(self, shard: Shard, num_pages: int, spec, pool_sharding: NamedSharding, state_slots: int = 0):
         """The zeroed-pool program of one shard (compiled in milliseconds, kept in memory)."""
-        key = (shard.index, num_pages, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        key = (shard.index, num_pages, state_slots, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+               spec.linear_layers, spec.state_dtype)
         if key not in self._alloc_fns:
             dt = jnp.dtype(self.cfg.dtype)
-            fn = functools.partial(paged_decode.alloc_pool, num_pages, self.page_size, spec, dt)
+            fn = functools.partial(paged_decode.alloc_pool, num_pages, self.page_size, spec, dt, state_slots)
+            out = [(shard.replicated, shard.replicated) if i in spec.linear_layers else (pool_sharding, pool_sharding)
+                   for i in range(spec.num_layers)]
             with jax.set_mesh(shard.mesh):
-                self._alloc_fns[key] = jax.jit(fn, out_shardings=[(pool_sharding, pool_sharding)] * spec.num_layers)
+                self._alloc_fns[key] = jax.jit(fn, out_shardings=out)
         return self._alloc_fns[key]
 
     def _programs_for(self) -> Programs:
@@ -234,26 +244,26 @@ class JaxEngine(EngineMemory, EngineWeights):
         shard.programs[memo] = moved
         return moved
 
-    def _warm(self, spec, rows: int, num_pages: int) -> None:
+    def _warm(self, spec, rows: int, budget) -> None:
         """Builds every program this call's shards can reach (decode over each slot bucket up to the rows a
         shard may hold, the prefill and copy ladders) in parallel threads, before the pools are allocated (so
         XLA's autotuning has the device's memory); then loads them onto the other shards."""
         lad, base = self.ladders, self._base
-        top = slot_width(min(self.max_num_seqs, rows), self.max_num_seqs)  # the widest segment a shard runs
+        top = slot_width(min(lad.slot_cap, rows), lad.slot_cap)  # the widest segment a shard runs
+        num_pages = budget.num_pages
         if not self.warm_programs or (spec, top, num_pages, lad) in self._warmed:
             return
-        pool_shape = (spec.num_kv_heads, num_pages, self.page_size, spec.head_dim)
-        page = jax.ShapeDtypeStruct(pool_shape, jnp.dtype(self.cfg.dtype), sharding=base.pool_sharding(pool_shape))
-        pool = [(page, page) for _ in range(spec.num_layers)]
+        pool = self.abstract_pool(spec, num_pages, budget.state_slots, base)
         params = base.params
         shapes = [("_decode", (params, pool, np.zeros((s, lad.width + paged_decode.DECODE_COLS), np.int32)),
-                   {"spec": spec}) for s in slot_ladder(self.max_num_seqs) if s <= top]
+                   {"spec": spec}) for s in slot_ladder(lad.slot_cap) if s <= top]
         for fresh, lengths in ((True, lad.fresh_lengths(lad.max_prompt)), (False, lad.cont_lengths)):
             for length in lengths:
                 for b in lad.row_options(length, fresh):
-                    packed = np.zeros((b, length + lad.table_width(length, fresh) + 2), np.int32)
+                    packed = np.zeros((b, length + lad.table_width(length, fresh) + paged_decode.PREFILL_COLS),
+                                      np.int32)
                     shapes.append(("_prefill", (params, pool, packed), {"spec": spec, "length": length}))
-        shapes.append(("_copy", (pool, np.zeros((2, lad.copy_slots), np.int32)), {}))
+        shapes.append(("_copy", (pool, np.zeros((4, lad.copy_slots), np.int32)), {}))
         programs = self._programs_for()
         items = [(name, getattr(type(self), name), self, self._abstract(args, base.mesh), static)
                  for name, args, static in shapes]
@@ -309,12 +319,14 @@ class JaxEngine(EngineMemory, EngineWeights):
         each local shard's pool allocated. Returns the pools' budget."""
         self._fix_width(longest)
         with jax.set_mesh(self.mesh):
-            budget = self._pool_budget(rows, longest)
+            budget = self._pool_budget(longest)
+        if budget.slot_cap and budget.slot_cap != self.ladders.slot_cap:  # state slots bound the rows decoded at once
+            self.ladders = dataclasses.replace(self.ladders, slot_cap=budget.slot_cap)
         self._check_fits(budget, longest, prompt_len, max_new)
-        self._warm(spec, rows, budget.num_pages)
+        self._warm(spec, rows, budget)
         for s in self.local_shards:
             if s.pool is None:
-                s.alloc(budget.num_pages, spec)
+                s.alloc(budget.num_pages, spec, budget.state_slots)
         return budget
 
     def run_shards(self, dealer: Dealer, spec, hooks=None) -> list[dict]:
@@ -356,7 +368,7 @@ class JaxEngine(EngineMemory, EngineWeights):
     def _stats(self, shard_stats: list[dict], budget, dealer: Dealer, before: dict, seconds: float,
                store: RowStore) -> dict:
         sums = ("segments", "decode_steps", "row_steps", "prefill_calls", "preemptions", "admitted",
-                "prefill_tokens", "shared_pages", "copies")
+                "prefill_tokens", "shared_pages", "copies", "state_copies")
         out = {k: sum(s[k] for s in shard_stats) for k in sums}
         after = self._programs_for().stats
         out.update(
@@ -365,6 +377,7 @@ class JaxEngine(EngineMemory, EngineWeights):
             shard_tokens=[s["tokens"] for s in shard_stats], plan_s=max((s["plan_s"] for s in shard_stats), default=0),
             stolen=dealer.stolen, num_pages=budget.num_pages, page_size=self.page_size,
             kv_bytes=budget.num_pages * budget.page_bytes, budget_source=budget.source,
+            state_slots=budget.state_slots, slot_cap=self.ladders.slot_cap,
             workspace_bytes=budget.workspace, table_width=self.ladders.width, seconds=seconds,
             tokens=int(store.lengths.sum()),
             programs_compiled=after["compiled"] - before.get("compiled", 0),
@@ -399,7 +412,8 @@ class JaxEngine(EngineMemory, EngineWeights):
                          longest + 1, self.ladders.width, need)
             self.ladders = Ladders(width=need, page_size=self.page_size, num_heads=self.cfg.num_attention_heads,
                                    max_batched_tokens=self.max_num_batched_tokens,
-                                   max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs)
+                                   max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs,
+                                   max_rows=self.prefill_row_cap())
 
 
 def key_data(seed: int) -> np.ndarray:
@@ -427,6 +441,10 @@ def _check(ok: bool, key: str, msg: str) -> None:
 def make_jax_engine(cfg: Qwen2Config, params, mesh: Mesh | None, *, rollout, max_prompt_length: int,
                     max_model_len: int | None = None):
     """The trainer's JAX engine from its `rollout.*` config: paged (the default) or dense."""
+    if rollout.kv_cache == "dense" and cfg.is_hybrid:
+        raise RolloutError(f"rollout.kv_cache = 'dense' does not serve {cfg.model_type} (Qwen3.5's linear-attention "
+                           "layers keep a recurrent state, which only the paged engine holds); use "
+                           "rollout.kv_cache = 'paged'")
     if rollout.kv_cache == "dense":
         from jaxrl_llm.rollout.dense_engine import DenseJaxEngine
 
@@ -437,4 +455,5 @@ def make_jax_engine(cfg: Qwen2Config, params, mesh: Mesh | None, *, rollout, max
                      max_num_batched_tokens=rollout.max_num_batched_tokens, page_size=rollout.page_size,
                      gpu_memory_utilization=rollout.gpu_memory_utilization,
                      kv_cache_memory_bytes=rollout.kv_cache_memory_bytes, free_cache_engine=rollout.free_cache_engine,
-                     decode_attention=rollout.decode_attention)
+                     decode_attention=rollout.decode_attention,
+                     linear_state_dtype=rollout.linear_state_dtype)

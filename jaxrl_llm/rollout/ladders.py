@@ -70,6 +70,7 @@ class Ladders:
     max_batched_tokens: int
     max_prompt: int
     slot_cap: int
+    max_rows: int = 0  # rows a prefill call takes at most (0: no cap; a Qwen3.5's rows carry their fp32 states)
 
     @property
     def max_fresh(self) -> int:
@@ -96,7 +97,8 @@ class Ladders:
         """B(L): rows a full call of chunks of `length` takes."""
         ctx = length if fresh else self.width * self.page_size
         by_attn = ATTN_BYTES // (self.num_heads * 4 * length * ctx)
-        return max(1, floor_pow2(max(1, min(self.max_batched_tokens // length, by_attn))))
+        rows = min(self.max_batched_tokens // length, by_attn, self.max_rows or by_attn)
+        return max(1, floor_pow2(max(1, rows)))
 
     def row_options(self, length: int, fresh: bool) -> list[int]:
         """The call sizes built for `length`: B(L), and B(L) / 8 for a small call."""

@@ -106,6 +106,8 @@ class KvBudget:
     device_limit: int = 0  # bytes the allocator may use on one device (0: unknown)
     in_use: int = 0  # bytes already held on one device when the pool was sized
     workspace: int = 0  # bytes set aside for the decode and prefill temporaries
+    state_slots: int = 0  # a linear-attention model's state slots a shard (scratch included; 0: none)
+    slot_cap: int = 0  # the rows a shard decodes at most, where state slots bound them (0: max_num_seqs)
 
 
 def device_memory(device: jax.Device | None = None) -> tuple[int, int, int] | None:

@@ -9,8 +9,16 @@ in kernels/paged_attention.py, or an XLA gather of the table's pages).
 The decoder layer, the fused engine weights and the sampling are the dense sampler's
 (rollout/decode.py), so both engines compute the same tokens and log-probs.
 
+Qwen3.5's linear-attention layers keep no pages: their entry in the pool is a pair of *state slots*, the conv
+window [Ns, K-1, E] and the recurrent state [Ns, Hv, Dk, Dv] of Ns sequences. A running row holds one slot (the
+host's scheduler hands them out beside pages); a prefill chunk starts from its row's slot (zeros at position
+0), runs the chunked gated delta rule over its tokens and writes the state after its last real token back, and
+to a prompt's snapshot slot when it is the prompt's first sample (its siblings copy that at the fork, with
+the copy program); a decode step reads, advances and writes each live row's slot.
+
 Glossary: S decode slots, B prefill rows, L prefill chunk length, W table width (pages), P pages,
-ps page size, K kv heads, N q heads, G = N // K, H head dim, D model, V vocab.
+ps page size, K kv heads, N q heads, G = N // K, H head dim, D model, V vocab; Ns state slots, E conv channels,
+Hv value heads, Dk/Dv key/value head dims.
 """
 
 from __future__ import annotations
@@ -22,9 +30,18 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as Pspec
 
 from jaxrl_llm import sharding
+from jaxrl_llm.models.gated_delta import causal_conv1d, gated_delta_rule
 from jaxrl_llm.models.qwen2 import _MASK_VALUE
 from jaxrl_llm.models.rope import rope_cos_sin
-from jaxrl_llm.rollout.decode import DecodeSpec, _final_logits, _is_stop, _layer, stack_routing
+from jaxrl_llm.rollout.decode import (
+    DecodeSpec,
+    _final_logits,
+    _is_stop,
+    _layer,
+    layer_params,
+    split_mixed,
+    stack_routing,
+)
 from jaxrl_llm.rollout.sampling import sample_next, token_logprobs
 
 # [K, P, ps, H]: kv heads over "tensor", pages over the data-parallel axes (each shard owns a page range;
@@ -32,24 +49,49 @@ from jaxrl_llm.rollout.sampling import sample_next, token_logprobs
 POOL_AXES = ("act_kv_heads", "batch", None, None)
 
 
-def alloc_pool(num_pages: int, page_size: int, spec: DecodeSpec, dtype):
-    """Zeroed pools, list of (k, v) [K, P, ps, H] (zeros: a page never written holds finite values)."""
+def state_shapes(spec: DecodeSpec, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A linear layer's state slots: the conv window [Ns, K-1, E] and the recurrent state [Ns, Hv, Dk, Dv]."""
+    return ((slots, spec.conv_kernel - 1, spec.conv_dim),
+            (slots, spec.linear_value_heads, spec.linear_key_dim, spec.linear_value_dim))
+
+
+def alloc_pool(num_pages: int, page_size: int, spec: DecodeSpec, dtype, state_slots: int = 0):
+    """Zeroed pools: per layer (k, v) [K, P, ps, H] (zeros: a page never written holds finite values), or a
+    linear layer's (conv, state) slots (`state_shapes`; the recurrent state in `spec.state_dtype`)."""
     shape = (spec.num_kv_heads, num_pages, page_size, spec.head_dim)
     z = lambda: sharding.constrain(jnp.zeros(shape, dtype), POOL_AXES)
-    return [(z(), z()) for _ in range(spec.num_layers)]
+    conv, rec = state_shapes(spec, state_slots)
+    slots = lambda: (jnp.zeros(conv, dtype), jnp.zeros(rec, jnp.dtype(spec.state_dtype)))
+    return [slots() if i in spec.linear_layers else (z(), z()) for i in range(spec.num_layers)]
 
 
-def copy_pages(pool, src, dst):
-    """pool[:, dst] = pool[:, src] in every layer (copy on write), per shard.
+def is_state(entry) -> bool:
+    """Whether a pool entry is a linear layer's state slots (a 3-D conv window) rather than K/V pages."""
+    return entry[0].ndim == 3
 
-    src, dst: [shards, C] int32 page ids local to each shard (unused pairs are (0, 0): the scratch page).
+
+def page_size(pool) -> int:
+    """ps of a pool: its first attention layer's pages [K, P, ps, H]."""
+    return next(entry for entry in pool if not is_state(entry))[0].shape[2]
+
+
+def copy_pages(pool, src, dst, state_src=None, state_dst=None):
+    """pool[:, dst] = pool[:, src] in every attention layer (copy on write), per shard, and the state slots
+    state_dst = state_src in every linear layer (a prompt's snapshot into its siblings' slots).
+
+    src, dst: [shards, C] int32 page ids local to each shard (unused pairs are (0, 0): the scratch page);
+    state_src, state_dst: [C] int32 state slots (unused pairs (0, 0)).
     """
     def local(k, v, s, d):
         s, d = s[0], d[0]
         return k.at[:, d].set(k[:, s]), v.at[:, d].set(v[:, s])
 
-    return [_per_shard(local, (k, v, src, dst), ("pool", "pool", "rows", "rows"), ("pool", "pool"))
-            for k, v in pool]
+    def states(conv, rec):
+        return conv.at[state_dst].set(conv[state_src]), rec.at[state_dst].set(rec[state_src])
+
+    return [states(*entry) if is_state(entry)
+            else _per_shard(local, (*entry, src, dst), ("pool", "pool", "rows", "rows"), ("pool", "pool"))
+            for entry in pool]
 
 
 def _per_shard(fn, args, kinds, out_kinds):
@@ -106,22 +148,24 @@ def _attend(q, kg, vg, mask):
     return out.reshape(b, t, n, h)
 
 
-def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, *, spec: DecodeSpec):
-    """Writes the K/V of a chunk of each row's context into its pages.
+def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, slot=None, snap=None, *, spec: DecodeSpec):
+    """Writes the K/V of a chunk of each row's context into its pages (and a linear layer's state into its slot).
 
     Row b's tokens ids[b, :length[b]] sit at positions start[b] .. start[b] + length[b] - 1; they attend
     to every earlier position of the row (pages written by earlier chunks, or shared prompt pages) and
     causally to each other. No logits: the last context token is fed by the first decode step.
 
     Args:
-      pool: list of (k, v) [K, P, ps, H] (donated by the caller's jit).
+      pool: per layer (k, v) [K, P, ps, H], or a linear layer's state slots (donated by the caller's jit).
       ids: [B, L] int32; tables: [B, Wc] int32 covering positions < start + length.
       start, length, scratch: [B] int32 (scratch: the page that padding tokens write into).
+      slot, snap: [B] int32 the rows' state slots and the snapshot slots their final state is also written to
+        (0: the scratch slot); linear layers only.
     Returns:
       the pool, and (`spec.record_routing`) the chunk tokens' experts [B, L, L_moe, k] int32 (else None).
     """
     b, length_ = ids.shape
-    ps = pool[0][0].shape[2]
+    ps = page_size(pool)
     wc = tables.shape[1]
     offs = jnp.arange(length_, dtype=jnp.int32)
     positions = start[:, None] + offs[None, :]  # [B, L]
@@ -134,7 +178,8 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, *, spec: D
     cos, sin = rope_cos_sin(positions, spec.inv_freq())
     x = jnp.take(eparams["embed"], ids, axis=0)
     new, experts = [], []
-    for lp, (kp, vp) in zip(eparams["layers"], pool):
+    for i, (kp, vp) in enumerate(pool):
+        lp = layer_params(eparams, i, spec)
 
         def attend(q, k, v, kp=kp, vp=vp):
             def local(q, k, v, kp, vp, tables, page, off, mask):
@@ -146,10 +191,36 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, *, spec: D
                                      ("heads", "pool", "pool"))
             return out, (kp, vp)
 
-        x, kv, ex = _layer(lp, x, cos, sin, attend, spec)
+        def recur(mixed, g, beta, conv_w, conv=kp, rec=vp):
+            fresh = start == 0  # a row's first chunk starts from zeros; a later one from its slot
+            conv0 = jnp.where(fresh[:, None, None], 0, conv[slot]).astype(mixed.dtype)
+            rec0 = jnp.where(fresh[:, None, None, None], 0, rec[slot].astype(jnp.float32))
+            mixed, conv1 = causal_conv1d(mixed, conv_w, initial=conv0, valid=real)
+            q, k, v = split_mixed(mixed, spec)
+            o, rec1 = gated_delta_rule(q, k, v, g, beta, initial_state=rec0, valid=real)
+            conv1, rec1 = conv1.astype(conv.dtype), rec1.astype(rec.dtype)
+            # the next layer waits for the slots' update (see the decode step)
+            o, conv, rec = jax.lax.optimization_barrier(
+                (o, conv.at[slot].set(conv1).at[snap].set(conv1), rec.at[slot].set(rec1).at[snap].set(rec1)))
+            return o, (conv, rec)
+
+        x, kv, ex = _layer(lp, x, cos, sin, attend, spec, recur)
         new.append(kv)
         experts.append(ex)
     return new, (stack_routing(experts) if spec.record_routing else None)
+
+
+def _decode_step(rec, slot, q, k, v, g, beta):
+    """kernels/gdn_decode.py's step of the rows' recurrent states, read from their slots: (outputs, new states);
+    on a shard of several devices (the states are whole on each) every device runs it on its own copy."""
+    from kernels.gdn_decode import gdn_decode_step  # the repo's kernels/
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return gdn_decode_step(rec, slot, q, k, v, g, beta)
+    whole = Pspec()
+    return jax.shard_map(gdn_decode_step, mesh=mesh, in_specs=(whole,) * 7, out_specs=(whole, whole),
+                         check_vma=False)(rec, slot, q, k, v, g, beta)
 
 
 def _sample_rows(logits, row_keys, t, spec: DecodeSpec):
@@ -161,7 +232,7 @@ def _sample_rows(logits, row_keys, t, spec: DecodeSpec):
 
 
 def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, scratch, key, seg_len, stop_free,
-                   *, spec: DecodeSpec, max_seg: int):
+                   slots=None, *, spec: DecodeSpec, max_seg: int):
     """Decodes up to `seg_len` steps for every active slot, or until `stop_free` slots are free.
 
     A step feeds each slot's pending token (writing its K/V at `pos`) and samples token `t`.
@@ -171,13 +242,13 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
       tables: [S, W] int32 block tables; pos, last, t, row_max: [S] int32; active: [S] bool;
       rids: [S] int32 response ids (seed each row's stream); scratch: [S] int32 the slot's scratch page;
       key: the request's PRNG key, or [S] keys (each row its request's); seg_len, stop_free: int32 scalars
-        (seg_len <= max_seg).
+        (seg_len <= max_seg); slots: [S] int32 the rows' state slots (linear layers only).
     Returns:
       (pool, out) with out = dict(tokens [S, max_seg], logps [S, max_seg], count [S], active [S], steps),
       and (`spec.record_routing`) routing [S, max_seg, L_moe, k]: step j's fed token's experts.
     """
     s = tables.shape[0]
-    ps = pool[0][0].shape[2]
+    ps = page_size(pool)
     w = tables.shape[1]
     row_keys = jax.vmap(jax.random.fold_in, (None if key.ndim == 0 else 0, 0))(key, rids)
     key_pos = jnp.arange(w * ps, dtype=jnp.int32)
@@ -199,7 +270,8 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
         mask = (key_pos[None, None, :] <= p[:, None, None]) & act[:, None, None]  # [S, 1, W ps]
         x = jnp.take(eparams["embed"], st["last"][:, None], axis=0)  # [S, 1, D]
         new, experts = [], []
-        for lp, (kp, vp) in zip(eparams["layers"], pl):
+        for i, (kp, vp) in enumerate(pl):
+            lp = layer_params(eparams, i, spec)
 
             def attend(q, k, v, kp=kp, vp=vp):
                 def local(q, k, v, kp, vp, tables, page, off, mask, lengths):
@@ -215,7 +287,18 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
                                           "rows"), ("heads", "pool", "pool"))
                 return out, (kp, vp)
 
-            x, kv, ex = _layer(lp, x, cos, sin, attend, spec)
+            def recur(mixed, g, beta, conv_w, conv=kp, rec=vp):
+                slot = jnp.where(act, slots, 0)  # a finished row's step writes the scratch slot
+                mixed, conv1 = causal_conv1d(mixed, conv_w, initial=conv[slot].astype(mixed.dtype))
+                q, k, v = split_mixed(mixed, spec)  # [S, 1, heads, dim]
+                o, rows = _decode_step(rec, slot, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+                # The layer's output waits for its slots' update: else XLA may schedule every layer's scatter
+                # at the end of the step, each layer's new rows alive until then (24 GB at Qwen3.5-9B).
+                o, conv, rec = jax.lax.optimization_barrier(
+                    (o, conv.at[slot].set(conv1.astype(conv.dtype)), rec.at[slot].set(rows)))
+                return o[:, None], (conv, rec)
+
+            x, kv, ex = _layer(lp, x, cos, sin, attend, spec, recur)
             new.append(kv)
             experts.append(ex)
         logits = _final_logits(eparams, x[:, 0], spec)  # [S, V]
@@ -249,9 +332,9 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
 # ---- packed inputs: one host-to-device copy a call ---------------------------------------------------------
 # A decode segment's inputs, [S, W + DECODE_COLS] int32: each slot's block table, then its position, pending token,
 # tokens so far, budget, active flag and stream; the segment's length and its stop rule (repeated down their two
-# columns); and each row's request's PRNG key data (two uint32 words, bit-cast), so rows of several requests
-# (a stream's steps, each with its seed) share a segment.
-DECODE_COLS = 10
+# columns); each row's request's PRNG key data (two uint32 words, bit-cast), so rows of several requests
+# (a stream's steps, each with its seed) share a segment; and its state slot (linear layers).
+DECODE_COLS = 11
 
 
 def decode_packed(eparams, pool, packed, *, spec: DecodeSpec, max_seg: int):
@@ -260,18 +343,24 @@ def decode_packed(eparams, pool, packed, *, spec: DecodeSpec, max_seg: int):
     col = lambda i: packed[:, w + i]
     keys = jax.random.wrap_key_data(jax.lax.bitcast_convert_type(packed[:, w + 8: w + 10], jnp.uint32))  # [S]
     return decode_segment(eparams, pool, packed[:, :w], col(0), col(1), col(2), col(3), col(4) > 0, col(5),
-                          jnp.zeros_like(col(0)), keys, packed[0, w + 6], packed[0, w + 7], spec=spec, max_seg=max_seg)
+                          jnp.zeros_like(col(0)), keys, packed[0, w + 6], packed[0, w + 7], col(10), spec=spec,
+                          max_seg=max_seg)
+
+
+PREFILL_COLS = 4  # after the ids and the tables: start, real length, state slot, snapshot slot
 
 
 def prefill_packed(eparams, pool, packed, *, spec: DecodeSpec, length: int):
-    """`prefill_chunk` on packed inputs [B, length + Wc + 2]: the chunk's ids, the rows' block tables over the
-    positions the chunk reads, its start and its real length."""
-    wc = packed.shape[1] - length - 2
+    """`prefill_chunk` on packed inputs [B, length + Wc + PREFILL_COLS]: the chunk's ids, the rows' block tables
+    over the positions the chunk reads, its start, its real length, and the rows' state and snapshot slots."""
+    wc = packed.shape[1] - length - PREFILL_COLS
     ids, tables = packed[:, :length], packed[:, length: length + wc]
-    start, real = packed[:, length + wc], packed[:, length + wc + 1]
-    return prefill_chunk(eparams, pool, ids, tables, start, real, jnp.zeros_like(start), spec=spec)
+    col = lambda i: packed[:, length + wc + i]
+    return prefill_chunk(eparams, pool, ids, tables, col(0), col(1), jnp.zeros_like(col(0)), col(2), col(3),
+                         spec=spec)
 
 
 def copy_packed(pool, packed):
-    """`copy_pages` of one shard: packed [2, C] (source pages, destination pages)."""
-    return copy_pages(pool, packed[0:1], packed[1:2])
+    """`copy_pages` of one shard: packed [4, C] (source pages, destination pages, source and destination state
+    slots)."""
+    return copy_pages(pool, packed[0:1], packed[1:2], packed[2], packed[3])

@@ -28,6 +28,14 @@ A row's positions: its context is prompt + sampled tokens. All but the last cont
 pages; the last one ("pending") is fed by the next decode step, which writes its K/V at position `ctx`
 and samples token `t` (= tokens sampled so far).
 
+**State slots** (Qwen3.5's linear-attention layers, when the engine passes a `states` pool): a running row also
+holds one state slot (its conv window and recurrent state in every linear layer), taken at admission and given
+back when it finishes or is preempted; admission waits for a free one as for pages. A prompt's first sample,
+when siblings are still to come, takes a *snapshot* slot too: its prefill writes the state after the prompt
+there, and each sibling, sharing the prompt's pages, starts from a copy of it (`Plan.state_copies`, run after
+the round's prefills). The snapshot goes back when the last sibling has taken its copy. A recurrent state
+cannot be rewound to a shared page boundary, so a preempted row of such a model recomputes its whole context.
+
 Pure host code, deterministic given the rows it is dealt: every process that drives a shard makes the
 same plan.
 """
@@ -139,12 +147,15 @@ class PrefillTask:
 
     `pages` are the row's pages at admission: a copy on write planned in the same round replaces the
     row's partial prompt page only after this prefill has filled it (the engine prefills, then copies).
+    `slot` is the row's state slot and `snap` the snapshot slot its final state also goes to (0: none).
     """
 
     row: Row
     start: int
     end: int
     pages: np.ndarray
+    slot: int = 0
+    snap: int = 0
 
 
 @dataclasses.dataclass
@@ -158,15 +169,19 @@ class Plan:
     seg: int  # decode steps this segment may run
     stop_free: int  # end the segment early once this many of its slots are free
     preempted: int  # rows preempted while planning
+    state_copies: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int32), np.zeros(0, np.int32))  # after prefills
 
 
 @dataclasses.dataclass
 class _Prefix:
-    """The pages holding a prompt's context (all but its last token), as its first sample wrote them."""
+    """The pages holding a prompt's context (all but its last token), as its first sample wrote them, and (with
+    state slots) the snapshot slot holding the state after it, for `siblings` more samples to copy."""
 
     pages: np.ndarray
     epochs: np.ndarray
     tokens: int
+    snap: int = 0
+    siblings: int = 0
 
 
 # The smallest slot bucket: a decode step over 32 slots costs about what one over 1 does (the weights'
@@ -185,11 +200,13 @@ class Scheduler:
       width: block-table width W (pages a row can hold: the engine's max_model_len).
       watermark: the share of the pool admission keeps free while rows run.
       share_prompts: the n samples of a prompt share its prompt pages.
+      states: the shard's state slots (a model with linear-attention layers), or None.
     """
 
     def __init__(self, pool: PagePool, source: RowSource, *, slot_cap: int, max_seg: int, width: int,
-                 watermark: float = 0.01, share_prompts: bool = True):
+                 watermark: float = 0.01, share_prompts: bool = True, states: PagePool | None = None):
         self.pool, self.ps = pool, pool.page_size
+        self.states = states
         self.source = source
         self.cap, self.max_seg, self.width = max(1, slot_cap), max_seg, width
         self.watermark = max(1, int(watermark * pool.usable()))
@@ -207,8 +224,11 @@ class Scheduler:
         self.keys = np.zeros((cap, 2), np.int32)  # each row's request's PRNG key data
         self.npages = np.zeros(cap, np.int64)
         self.table = np.zeros((cap, width), np.int32)  # pages; 0 (scratch) past npages
+        self.slot = np.zeros(cap, np.int64)  # state slot (0: none)
+        self.state_copies: list[tuple[int, int, Row]] = []  # this round's (snapshot, slot, row)
+        self._snaps_to_free: list[int] = []  # snapshots last read by the previous round's copies
         self.n = 0
-        self.stats = dict(preemptions=0, admitted=0, prefill_tokens=0, shared_pages=0, copies=0)
+        self.stats = dict(preemptions=0, admitted=0, prefill_tokens=0, shared_pages=0, copies=0, state_copies=0)
 
     # ---- queries -----------------------------------------------------------------------------
     def done(self) -> bool:
@@ -221,15 +241,26 @@ class Scheduler:
         pre = self.prefixes.get(row.prompt)
         if pre is None or not self.share_prompts:
             return None
+        if self.states is not None and row.ntok:
+            return None  # a resumed row recomputes its recurrent state from position 0
         if np.all(self.pool.refcount[pre.pages] > 0) and np.array_equal(self.pool.epoch[pre.pages], pre.epochs):
             return pre
-        del self.prefixes[row.prompt]
+        self._drop_prefix(row.prompt)
         return None
+
+    def _drop_prefix(self, prompt: int) -> None:
+        pre = self.prefixes.pop(prompt)
+        if pre.snap:
+            self._snaps_to_free.append(pre.snap)
 
     # ---- planning ----------------------------------------------------------------------------
     def plan(self) -> Plan:
         """Admits, grows and (if needed) preempts; returns what the next segment runs."""
         prefills, resumed = [], []
+        self.state_copies = []
+        if self._snaps_to_free:  # the copies that read them ran after the last round's prefills
+            self.states.release(self._snaps_to_free)
+            self._snaps_to_free = []
         self._admit(prefills, resumed)
         prefills += resumed  # a resumed row may read prompt pages a fresh row prefills this round
         preempted = 0
@@ -242,6 +273,7 @@ class Scheduler:
                                    "engine's up-front check should have refused this request")
             victim = self._preempt_newest()
             prefills = [p for p in prefills if p.row is not victim]
+            self.state_copies = [c for c in self.state_copies if c[2] is not victim]
             preempted += 1
         copies = self._grow(seg) if self.n else (np.zeros(0, np.int32), np.zeros(0, np.int32))
         n = self.n
@@ -253,7 +285,9 @@ class Scheduler:
             stop_free = max(stop_free, slots - n + 1)
         self.stats["preemptions"] += preempted
         self.stats["copies"] += len(copies[0])
-        return Plan(prefills, copies, n, slots, seg, stop_free, preempted)
+        state_copies = (np.asarray([c[0] for c in self.state_copies], np.int32),
+                        np.asarray([c[1] for c in self.state_copies], np.int32))
+        return Plan(prefills, copies, n, slots, seg, stop_free, preempted, state_copies)
 
     def _admit(self, fresh: list[PrefillTask], resumed: list[PrefillTask]) -> None:
         pool, ps = self.pool, self.ps
@@ -274,6 +308,25 @@ class Scheduler:
             ctx = row.context_len
             pool.share(shared)
             pages = np.concatenate([shared, pool.alloc(new)]).astype(np.int32)
+            slot = snap = siblings = 0
+            if self.states is not None:
+                slot = int(self.states.alloc(1)[0])
+                if len(shared):  # a sibling: its state after the prompt is the snapshot's
+                    pre = self.prefixes[row.prompt]
+                    self.state_copies.append((pre.snap, slot, row))
+                    self.stats["state_copies"] += 1
+                    pre.siblings -= 1
+                    if pre.siblings <= 0:  # the last one: the snapshot is free once this round's copies ran
+                        self._release_snap_after_copy(row.prompt)
+                else:
+                    for r in self.waiting:  # its group's other fresh samples follow it in the queue
+                        if r.prompt != row.prompt or r.ntok:
+                            break
+                        siblings += 1
+                    # a snapshot only from slots the slot cap's other rows do not need
+                    if (not row.ntok and siblings and self.share_prompts and row.prompt not in self.prefixes
+                            and self.states.num_free() > self.cap - (self.n + 1)):
+                        snap = int(self.states.alloc(1)[0])
             s = self.n
             self.n += 1
             self.rows[s], self.gid[s] = row, row.rid
@@ -282,14 +335,22 @@ class Scheduler:
             self.keys[s] = row.key if row.key is not None else 0
             self.table[s] = 0
             self.table[s, : len(pages)] = pages
+            self.slot[s] = slot
             self.stats["admitted"] += 1
             self.stats["shared_pages"] += len(shared)
             if covered < ctx:
                 self.stats["prefill_tokens"] += ctx - covered
-                (resumed if row.ntok else fresh).append(PrefillTask(row, covered, ctx, pages.copy()))
-            if not row.ntok and len(shared) == 0 and self.share_prompts and row.prompt not in self.prefixes:
+                (resumed if row.ntok else fresh).append(PrefillTask(row, covered, ctx, pages.copy(), slot, snap))
+            if (not row.ntok and len(shared) == 0 and self.share_prompts and row.prompt not in self.prefixes
+                    and (self.states is None or snap)):
                 k = pages_for(ctx, ps)
-                self.prefixes[row.prompt] = _Prefix(pages[:k].copy(), pool.epoch[pages[:k]].copy(), ctx)
+                self.prefixes[row.prompt] = _Prefix(pages[:k].copy(), pool.epoch[pages[:k]].copy(), ctx, snap,
+                                                    siblings)
+
+    def _release_snap_after_copy(self, prompt: int) -> None:
+        """The prompt's prefix is forgotten (a model with state slots shares a prompt only between its fresh
+        samples) and its snapshot goes back to the pool at the next round, after this round's copies read it."""
+        self._drop_prefix(prompt)
 
     def _admission_pages(self, row: Row) -> tuple[np.ndarray, int, int]:
         """(prompt pages it shares, context tokens they cover, new pages it needs) if admitted now."""
@@ -305,7 +366,10 @@ class Scheduler:
         return shared, covered, pages_for(ctx, self.ps) - len(shared)
 
     def _fits(self, row: Row) -> bool:
-        """Whether the pool has the row's pages now (and keeps the watermark while other rows run)."""
+        """Whether the pool has the row's pages now (and keeps the watermark while other rows run), and a state
+        slot where the model has linear layers."""
+        if self.states is not None and self.states.num_free() < 1:
+            return False
         shared, _, new = self._admission_pages(row)
         ctx = row.context_len
         reserve = self.watermark if self.n else 0
@@ -374,6 +438,8 @@ class Scheduler:
         s = self.n - 1  # slots are in admission order
         row = self.rows[s]
         self.pool.release(self.table[s, : self.npages[s]])
+        if self.slot[s]:
+            self.states.release([self.slot[s]])
         self._clear(np.asarray([s]))
         self.n -= 1
         row.preemptions += 1
@@ -393,6 +459,7 @@ class Scheduler:
         self.rows[slots] = None
         self.table[slots] = 0
         self.npages[slots] = 0
+        self.slot[slots] = 0
 
     # ---- results -----------------------------------------------------------------------------
     def commit(self, tokens: np.ndarray, logps: np.ndarray, counts: np.ndarray, active: np.ndarray,
@@ -420,13 +487,15 @@ class Scheduler:
             return []
         held = np.arange(self.width)[None, :] < self.npages[fin][:, None]
         self.pool.release(self.table[fin][held])
+        if self.states is not None:
+            self.states.release(self.slot[fin][self.slot[fin] > 0])
         done = list(self.rows[fin])
         for r in done:
             r.finished = True
         keep = np.flatnonzero(active[:n].astype(bool))
         m = keep.size
         for arr in (self.rows, self.gid, self.ctx, self.ntok, self.maxtok, self.last, self.stream, self.keys,
-                    self.npages, self.table):
+                    self.npages, self.table, self.slot):
             arr[:m] = arr[keep]
         self._clear(np.arange(m, n))
         self.n = m

@@ -50,6 +50,7 @@ class Shard:
         self.version = 0  # the weights' version its params are (tokens record it)
         self.pool = None
         self.num_pages = 0
+        self.state_slots = 0  # a linear-attention model's state slots in the pool (0: none)
         self.programs: dict = {}  # (program, host input shape, static) -> the compiled program on these devices
 
     # ---- weights and memory ------------------------------------------------------------------
@@ -66,15 +67,15 @@ class Shard:
     def pool_sharding(self, shape) -> NamedSharding:
         return NamedSharding(self.mesh, sharding.logical_to_spec(paged_decode.POOL_AXES, shape, self.mesh))
 
-    def alloc(self, num_pages: int, spec) -> None:
-        """A zeroed pool of `num_pages` pages on this shard's devices."""
+    def alloc(self, num_pages: int, spec, state_slots: int = 0) -> None:
+        """A zeroed pool of `num_pages` pages (and `state_slots` state slots) on this shard's devices."""
         eng = self.engine
         shape = (spec.num_kv_heads, num_pages, eng.page_size, spec.head_dim)
-        fn = eng._alloc_fn(self, num_pages, spec, self.pool_sharding(shape))
-        if num_pages != self.num_pages:
+        fn = eng._alloc_fn(self, num_pages, spec, self.pool_sharding(shape), state_slots)
+        if (num_pages, state_slots) != (self.num_pages, self.state_slots):
             self.programs.clear()  # the pool's shape is in every program's key
         self.pool = fn()
-        self.num_pages = num_pages
+        self.num_pages, self.state_slots = num_pages, state_slots
 
     def release(self) -> None:
         self.pool = None
@@ -91,8 +92,10 @@ class Shard:
         weights are taken), `finished(rows)` after each commit, and a source that stays open for more rows."""
         eng = self.engine
         lad = eng.ladders
-        sched = Scheduler(PagePool(self.num_pages, eng.page_size), source, slot_cap=eng.max_num_seqs,
-                          max_seg=eng.max_segment, width=lad.width, share_prompts=eng.share_prompt_pages)
+        states = PagePool(self.state_slots, 1) if self.state_slots else None
+        sched = Scheduler(PagePool(self.num_pages, eng.page_size), source, slot_cap=lad.slot_cap,
+                          max_seg=eng.max_segment, width=lad.width, share_prompts=eng.share_prompt_pages,
+                          states=states)
         st = dict(segments=0, decode_steps=0, row_steps=0, prefill_calls=0, plan_s=0.0, tokens=0)
         t0 = time.perf_counter()
         while not stop.is_set():
@@ -106,8 +109,8 @@ class Shard:
             for call in lad.calls(plan.prefills):
                 self._prefill(call, spec)
                 st["prefill_calls"] += 1
-            if len(plan.copies[0]):
-                self._copy(plan.copies)
+            if len(plan.copies[0]) or len(plan.state_copies[0]):
+                self._copy(plan.copies, plan.state_copies)
             if plan.live:
                 done = self._segment(plan, sched, spec, st)
                 if hooks is not None and done:
@@ -123,12 +126,12 @@ class Shard:
         options = lad.row_options(length, fresh)
         b = options[0] if len(call) <= options[0] else options[-1]
         wc = lad.table_width(length, fresh)
-        packed = np.zeros((b, length + wc + 2), np.int32)
+        packed = np.zeros((b, length + wc + paged_decode.PREFILL_COLS), np.int32)
         for i, c in enumerate(call):
             pages = c.task.pages[:wc]
             packed[i, : c.end - c.start] = c.task.row.context()[c.start: c.end]
             packed[i, length: length + len(pages)] = pages
-            packed[i, length + wc], packed[i, length + wc + 1] = c.start, c.end - c.start
+            packed[i, length + wc: length + wc + 4] = c.start, c.end - c.start, c.task.slot, c.task.snap
         prog = eng._shard_program(self, "_prefill", (self.params, self.pool, packed),
                                   {"spec": spec, "length": length})
         self.pool, routes = prog(self.params, self.pool, self.put(packed))
@@ -137,10 +140,11 @@ class Shard:
             for i, c in enumerate(call):
                 record_routes(c.task.row, c.start, routes[i, : c.end - c.start])
 
-    def _copy(self, copies: tuple[np.ndarray, np.ndarray]) -> None:
+    def _copy(self, copies: tuple[np.ndarray, np.ndarray], state_copies: tuple[np.ndarray, np.ndarray]) -> None:
         c = self.engine.ladders.copy_slots
-        packed = np.zeros((2, c), np.int32)  # unused pairs copy the scratch page onto itself
+        packed = np.zeros((4, c), np.int32)  # unused pairs copy the scratch page (and slot) onto itself
         packed[0, : len(copies[0])], packed[1, : len(copies[1])] = copies
+        packed[2, : len(state_copies[0])], packed[3, : len(state_copies[1])] = state_copies
         prog = self.engine._shard_program(self, "_copy", (self.pool, packed), {})
         self.pool = prog(self.pool, self.put(packed))
 
@@ -156,6 +160,7 @@ class Shard:
                                          np.ones(n, np.int64), sched.stream[:n]], axis=1)
         packed[:, w + 6], packed[:, w + 7] = plan.seg, plan.stop_free
         packed[:n, w + 8: w + 10] = sched.keys[:n]
+        packed[:n, w + 10] = sched.slot[:n]
         prog = self.engine._shard_program(self, "_decode", (self.params, self.pool, packed), {"spec": spec})
         st["plan_s"] += time.perf_counter() - t0
         self.pool, out = prog(self.params, self.pool, self.put(packed))

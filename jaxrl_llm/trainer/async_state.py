@@ -7,12 +7,12 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import threading
+import time
 
 import numpy as np
 
 from jaxrl_llm.rollout import RolloutBatch
-
-STOP = 1  # finish reasons as ints in a checkpoint
 
 
 def pack(arrays: dict[str, np.ndarray]) -> str:
@@ -68,6 +68,30 @@ def batch_from_groups(groups, pad_id: int, version: int) -> RolloutBatch:
                         lengths=np.concatenate([g.lengths for g in groups]).astype(np.int32),
                         finish_reasons=[r for g in groups for r in g.finish_reasons], weight_version=version,
                         token_versions=versions)
+
+
+class BusyClock:
+    """Seconds a side has spent working, summed, the stretch under way counted up to now (one_step_off's rollout
+    thread, around each generation; the stream keeps the same for fully_async). The difference of two readings is
+    the work done between them, whenever it started: a step's busy time is measured over that step's own wall."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._total, self._since = 0.0, None
+
+    def start(self) -> None:
+        with self._lock:
+            self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._since is not None:
+                self._total += time.perf_counter() - self._since
+                self._since = None
+
+    def seconds(self) -> float:
+        with self._lock:
+            return self._total + (time.perf_counter() - self._since if self._since is not None else 0.0)
 
 
 def overlap_metrics(*, wait: float, step_s: float, busy: float, wall: float, version: int) -> dict[str, float]:

@@ -31,9 +31,11 @@ import threading
 import time
 from collections import deque
 
+from jaxrl_llm.data.iterator import PromptBatch
 from jaxrl_llm.rollout import RolloutError
 from jaxrl_llm.rollout.stream import GroupResult, RolloutStream
 from jaxrl_llm.trainer.async_state import (
+    BusyClock,
     batch_arrays,
     batch_from_arrays,
     batch_from_groups,
@@ -69,6 +71,7 @@ class AsyncRLTrainer(RLTrainer):
         # one_step_off: the generation in flight, on a thread of its own
         self._gen_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
         self._future: concurrent.futures.Future | None = None
+        self._gen_clock = BusyClock()  # the rollout thread's time generating
         # fully_async: the stream, its queue of finished groups and the rollouter that feeds it
         self._stream: RolloutStream | None = None
         self._queue: queue.Queue[GroupResult] = queue.Queue()
@@ -120,16 +123,18 @@ class AsyncRLTrainer(RLTrainer):
 
     # ---- one step off ------------------------------------------------------------------------------
     def _generate(self, prompts: list[dict], step: int):
-        t0 = time.perf_counter()
-        sampled = self.generate(prompts, self.sampling(step, draw=0))
-        return prompts, sampled, time.perf_counter() - t0
+        self._gen_clock.start()
+        try:
+            return prompts, self.generate(prompts, self.sampling(step, draw=0))
+        finally:
+            self._gen_clock.stop()
 
     def _one_step_off(self, k: int) -> dict[str, float]:
-        t_step = time.perf_counter()
+        t_step, busy0 = time.perf_counter(), self._gen_clock.seconds()
         if self._future is None:
             if self._saved is not None and "batch" in self._saved:  # resumed at a sync point: this step's batch
                 prompts = unpack_obj(self._saved["prompts"])
-                done = (prompts, batch_from_arrays(unpack(self._saved["batch"])), 0.0)
+                done = (prompts, batch_from_arrays(unpack(self._saved["batch"])))
             else:  # the pipeline starts: this batch with the current weights
                 self.sync_weights(k)
                 done = self._generate(next(self.iterator), k)
@@ -138,7 +143,7 @@ class AsyncRLTrainer(RLTrainer):
             self._future.set_result(done)
         t0 = time.perf_counter()
         try:
-            prompts, sampled, gen_s = self._future.result()
+            prompts, sampled = self._future.result()
         except RolloutError:
             raise
         except Exception as e:
@@ -156,9 +161,11 @@ class AsyncRLTrainer(RLTrainer):
         ro = Rollout(build_train_batch(prompts, sampled, self.run.data.max_response_length,
                                        self.run.data.max_prompt_length), response_items(prompts, sampled))
         metrics = self.train_step(prompts, k, ro=ro, sync=False)
-        wall = time.perf_counter() - t_step
+        wall, busy = time.perf_counter() - t_step, self._gen_clock.seconds() - busy0
         metrics.update(staleness_metrics(sampled, k, self.n))
-        metrics.update(overlap_metrics(wait=wait, step_s=wall, busy=gen_s, wall=wall, version=k))
+        # The rollout side's work within this step (the end of batch k's generation while the trainer waited, then
+        # batch k + 1's while it trains), not batch k's whole generation, most of which ran in the step before.
+        metrics.update(overlap_metrics(wait=wait, step_s=wall, busy=busy, wall=wall, version=k))
         metrics.update({"timing_s/sync": sync_s, **self.worker.obj.weight_sync_metrics()})
         return metrics
 
@@ -262,7 +269,10 @@ class AsyncRLTrainer(RLTrainer):
         parts = []
         for _ in range(a.trigger_parameter_sync_step):
             groups, waited, dropped = self._take(a.require_batches * self.run.actor.ppo_mini_batch_size)
-            prompts = [g.meta["prompt"] for g in groups]
+            # the epoch of the (first) data batch these groups were drawn in: the rollouter draws batch b as the
+            # run's b-th, one draw a batch
+            prompts = PromptBatch([g.meta["prompt"] for g in groups],
+                                  groups[0].meta["batch"] // self.iterator.steps_per_epoch)
             sampled = batch_from_groups(groups, self.pad_id, self.engine.version)
             ro = Rollout(build_train_batch(prompts, sampled, self.run.data.max_response_length,
                                            self.run.data.max_prompt_length), response_items(prompts, sampled))

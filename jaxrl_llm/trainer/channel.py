@@ -17,6 +17,7 @@ import threading
 import time
 
 from jaxrl_llm import distributed
+from jaxrl_llm.distributed import DistributedError
 from jaxrl_llm.rollout import RolloutError
 
 POLL_MS = 500
@@ -79,8 +80,15 @@ class Channel:
         self.client.key_value_set(f"{self.prefix}/error", message, allow_overwrite=True)
 
     def check(self) -> None:
+        """Raises the other side's failure (`fail`) as a RolloutError; returns when there is none (the error key is
+        NOT_FOUND). Any other failure of the store (the coordinator gone, a refused connection) raises
+        DistributedError: it must not read as "the other side is fine"."""
+        key = f"{self.prefix}/error"
         try:
-            message = self.client.key_value_try_get(f"{self.prefix}/error")
-        except Exception:  # NOT_FOUND: no failure
-            return
+            message = self.client.key_value_try_get(key)
+        except Exception as e:  # jax raises JaxRuntimeError for every status; only NOT_FOUND means "no failure"
+            if str(e).startswith("NOT_FOUND"):
+                return
+            raise DistributedError(f"the coordination service's key-value store failed reading {key!r} (is the "
+                                   f"coordinator process still alive?): {type(e).__name__}: {e}") from e
         raise RolloutError(message)

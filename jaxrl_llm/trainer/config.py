@@ -26,7 +26,9 @@ class ModelConfig:
     """Where the policy comes from: a local HF dir / hub id (`path`), or a random preset (`preset`)."""
 
     path: str | None = None  # a local HF model directory, or a hub id (downloaded when online)
-    preset: str | None = None  # a random-init model by name ('tiny', 'qwen2p5_7b', ...: models/config.py PRESETS)
+    # a random-init model by name (models/config.py PRESETS): 'tiny', 'qwen2p5_7b', ...; Qwen3.5's 'qwen3_5_9b',
+    # 'qwen3_5_35b_a3b' (MoE), 'tiny_qwen35' and 'tiny_qwen35_moe'
+    preset: str | None = None
     tokenizer_path: str | None = None  # a HF tokenizer dir (default: model.path)
     dtype: str = "bfloat16"  # the compute dtype (and the export's default)
     param_dtype: str = "float32"  # the master weights' dtype
@@ -35,16 +37,23 @@ class ModelConfig:
     remat: str = "auto"
     attention_impl: str = "auto"  # 'auto' (cuDNN flash attention on GPUs), 'cudnn' or 'xla'
     critic_path: str | None = None  # defaults to `path` (veRL initialises the critic from the actor)
-    overrides: dict | None = None  # Qwen2Config fields to change (e.g. a smaller vocab for a preset)
+    # DecoderConfig fields to change (e.g. a smaller vocab for a preset); a Qwen3.5's also layer_types (each
+    # 'linear_attention' or 'full_attention'), linear_num_key_heads / linear_num_value_heads,
+    # linear_key_head_dim / linear_value_head_dim, linear_conv_kernel_dim, partial_rotary_factor and (MoE)
+    # shared_expert_intermediate_size
+    overrides: dict | None = None
     seed: int = 0  # seed of a preset's random init (the critic's: seed + 1) and of fresh adapters
     # LoRA (veRL's names; rank 0: full fine-tuning) on target_modules ('all-linear' or names) less exclude_modules.
     lora_rank: int = 0
     lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank (PEFT's)
-    # None: 'all-linear' under LoRA; or names (q/k/v/o_proj, gate/up/down_proj)
+    # None: 'all-linear' under LoRA (the model's linear modules, as PEFT's); or names (q/k/v/o_proj,
+    # gate/up/down_proj; a Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; a Qwen3.5-MoE's
+    # shared_expert_gate)
     target_modules: str | tuple[str, ...] | None = None
     exclude_modules: tuple[str, ...] = ()  # module names to leave out of target_modules
     lora_adapter_path: str | None = None  # a PEFT adapter directory to start from
-    # LoRA's frozen base in 8 bits (our name; veRL has no QLoRA): 'none', 'int8' or 'fp8' (`models/quant.py`).
+    # LoRA's frozen base in 8 bits (our name; veRL has no QLoRA): 'none', 'int8' or 'fp8' (`models/quant.py`;
+    # not on a mixture of experts).
     base_quantization: str = "none"
 
     def validate(self):
@@ -331,8 +340,9 @@ class TrainerConfig:
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     driver: str = "ray"  # "ray" or "inprocess"
     ray_address: str | None = None  # a Ray cluster to join ('auto'); None: start one in this process
-    # Processes of the run. The Ray driver starts this many trainer processes (one Ray placement-group
-    # bundle each) joined by jax.distributed; plain launches set the count with --num_processes.
+    # Processes of the run (both sides of an async run together; veRL's trainer.nnodes is train.nnodes). The Ray
+    # driver starts this many trainer processes (one Ray placement-group bundle each) joined by jax.distributed;
+    # plain launches set the count with --num_processes.
     num_processes: int = 1
     devices_per_process: int | None = None  # GPUs (or simulated CPU devices) of each process; None: 1 GPU
     heartbeat_timeout_s: int = 60  # a dead process stops the others after this long
@@ -346,7 +356,7 @@ class TrainerConfig:
     # The training devices (veRL's trainer.n_gpus_per_node x trainer.nnodes): None, every device (sync) or every
     # device the rollout does not take (async_training); the mesh sizes above shape these
     n_gpus_per_node: int | None = None
-    nnodes: int = 1  # the trainer's nodes (train.n_gpus_per_node each)
+    nnodes: int = 1  # veRL's trainer.nnodes: the trainer's nodes (train.n_gpus_per_node each)
     ref_offload: bool = False  # keep the reference model in host memory between its passes
     # The bytes a device may hold, for the memory check before the first step (trainer/memory_check.py).
     # None: what XLA may use on the device (a CPU says nothing: no check there); set it to check on a CPU.

@@ -61,8 +61,6 @@ VERL_KEYS = {
     "custom_reward_function.path": "reward.custom_reward_path",
     "custom_reward_function.name": "reward.custom_reward_name",
     "trainer.default_local_dir": "train.run_dir",
-    "trainer.nnodes": "train.num_processes",
-    "trainer.n_gpus_per_node": "train.devices_per_process",
     "critic.model.path": "model.critic_path",
 }
 

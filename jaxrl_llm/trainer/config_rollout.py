@@ -17,7 +17,7 @@ from jaxrl_llm.trainer.config_check import check as _check
 class RolloutConfig:
     """veRL's `actor_rollout_ref.rollout.*`."""
 
-    engine: str = "jax"  # "jax" (in-process sampler) or "vllm" (a pool of Ray actors)
+    engine: str = "jax"  # "jax" (in-process sampler) or "vllm" (a pool of Ray actors; not for Qwen3.5)
     n: int = 1  # responses sampled a prompt (GRPO's group size)
     temperature: float = 1.0  # sampling temperature of the training rollouts
     top_p: float = 1.0  # nucleus sampling (1.0: off)
@@ -42,6 +42,10 @@ class RolloutConfig:
     # JAX engine's decode attention: "xla" (every cache slot), "pallas" (a kernel that reads only each
     # row's valid slots; kernels/decode_attention.py), "auto" (the kernel on GPUs, XLA elsewhere)
     decode_attention: str = "auto"
+    # paged, Qwen3.5: the dtype of the linear-attention layers' recurrent state in the engine: "auto" (the
+    # engine's dtype, as vLLM's mamba_ssm_cache_dtype 'auto'), "float32" (as transformers keeps it; twice what
+    # each decode step reads and writes in bf16) or "bfloat16"
+    linear_state_dtype: str = "auto"
     val_temperature: float = 0.0  # validation is greedy (mean@1) unless val_n > 1
     val_n: int = 1  # responses a validation prompt (veRL's val_kwargs.n): mean@N, best@N, pass@k
     val_top_p: float = 1.0  # validation's top_p (veRL's val_kwargs.top_p)
@@ -89,6 +93,8 @@ class RolloutConfig:
                f"{self.max_model_len}; give prompt + response tokens, or None for the data lengths' sum")
         _check(self.decode_attention in ("auto", "xla", "pallas"), "rollout.decode_attention",
                f"{self.decode_attention!r}; use 'auto', 'xla' or 'pallas'")
+        _check(self.linear_state_dtype in ("auto", "float32", "bfloat16"), "rollout.linear_state_dtype",
+               f"{self.linear_state_dtype!r}; use 'auto', 'float32' or 'bfloat16'")
         _check(isinstance(self.n, int) and self.n >= 1, "rollout.n", f"n={self.n}; need n >= 1")
         _check(0.0 < self.top_p <= 1.0, "rollout.top_p", f"{self.top_p} is not in (0, 1]")
         _check(self.temperature > 0.0, "rollout.temperature", "training rollouts need temperature > 0")

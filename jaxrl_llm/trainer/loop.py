@@ -79,6 +79,7 @@ class RLTrainer:
         self.operative_config = operative_config
         self.global_step = 0
         self.resumed_meta: dict | None = None
+        self.checkpoint_usage: dict[str, float] = {}  # of the checkpoints committed before the last save
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         self.worker.call("open_checkpointer", self.ckpt_dir, t.max_checkpoints_to_keep)
         try:
@@ -135,7 +136,9 @@ class RLTrainer:
         log.info("resumed from %s at step %d", directory, self.global_step)
 
     def save_checkpoint(self) -> None:
-        self.worker.call("save_checkpoint", self.global_step, self._meta())
+        """Starts the checkpoint of this step (written while the next steps run); keeps the disk usage of the
+        committed checkpoints (perf/checkpoint_*) for the step's metrics."""
+        self.checkpoint_usage = self.worker.call("save_checkpoint", self.global_step, self._meta()) or {}
 
     def _save_tokenizer(self) -> None:
         """Keeps the tokenizer beside the checkpoints, so exports are complete HF directories."""
@@ -387,7 +390,9 @@ class RLTrainer:
         metrics.update(compile_watch.delta(compiled_before, compiled))
         metrics.update(worker.call("pack_metrics"))
         metrics["perf/engine_programs_compiled"] = compiled["engine_programs_compiled"]
-        return self._step_metrics(metrics, batch, timer, step)
+        # the epoch of the batch trained on (the iterator's is the next batch's: one epoch on at an epoch's end,
+        # and further on in the async modes, which draw ahead)
+        return self._step_metrics(metrics, batch, timer, step, epoch=getattr(prompts, "epoch", None))
 
     def _replay_step(self, step: int) -> dict[str, float]:
         """Trains on a dumped batch instead of generating one: same start state and same batches give
@@ -410,7 +415,7 @@ class RLTrainer:
             with timer("reshard"):
                 self.sync_weights(step + 1)
 
-    def _step_metrics(self, metrics, batch: TrainBatch, timer, step: int) -> dict[str, float]:
+    def _step_metrics(self, metrics, batch: TrainBatch, timer, step: int, epoch: int | None = None) -> dict[str, float]:
         run = self.run
         metrics.update(M.data_metrics(batch, max_response_length=run.data.max_response_length,
                                       max_prompt_length=run.data.max_prompt_length, use_critic=run.algo.uses_critic))
@@ -419,7 +424,7 @@ class RLTrainer:
                                       n_devices=self.n_devices, peak=self.peak,
                                       log_prob_passes=self.needs_old + self.needs_ref + run.algo.uses_critic))
         metrics["training/global_step"] = step + 1
-        metrics["training/epoch"] = self.iterator.epoch
+        metrics["training/epoch"] = self.iterator.epoch if epoch is None else epoch
         return metrics
 
     # ---- validation ------------------------------------------------------------------------------
@@ -471,7 +476,8 @@ class RLTrainer:
                 if (t.save_freq > 0 and self.global_step % t.save_freq == 0) or done:
                     t0 = time.perf_counter()
                     self.save_checkpoint()
-                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0
+                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0  # not the write: that is async
+                    metrics.update(self.checkpoint_usage)
                 metrics["timing_s/step_total"] = time.perf_counter() - step_start
                 self.logger.log(self.global_step, metrics)
                 last = metrics

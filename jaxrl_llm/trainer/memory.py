@@ -18,13 +18,15 @@ device:
   engine     the sampler's compute-dtype weights, split over `tensor` only (none with rollout.free_cache_engine:
              the worker drops them for the update and the sync rebuilds them); an 8-bit base is dequantized
              into the engine's copy, which stays in the compute dtype
-  saved      per token and layer: the layer input ("full"), chosen activations (the policies between), or every matmul
-             output and the attention's output and statistics ("dots"); under LoRA "dots" also keeps each
-             adapter's two matmul outputs, x·A [r] and (x·A)·B [out]: at 7B with rank 32 on every linear
-             layer that is 2.8 MB a token, as much again as the base's own matmuls (issue 32: left out, it
-             made `auto` take "dots" for the 7B LoRA step on one H100, whose update then asked XLA for 84.8
-             GiB)
-  working    one layer's recomputed activations and the vocab-chunked log-prob's [tokens, chunk] logits
+  saved      per token and layer: the layer input ("full"), chosen activations (the policies between,
+             `models/remat.py`), or every matmul output and the attention's output and statistics ("dots"; a
+             Qwen3.5's gated q_proj is twice as wide, and its Gated DeltaNet layers keep their five projections'
+             outputs and the delta rule's); under LoRA "dots" also keeps each adapter's two matmul outputs, x·A
+             [r] and (x·A)·B [out]: at 7B with rank 32 on every linear layer that is 2.8 MB a token, as much
+             again as the base's own matmuls (issue 32: left out, it made `auto` take "dots" for the 7B LoRA step
+             on one H100, whose update then asked XLA for 84.8 GiB)
+  working    one layer's recomputed activations and the vocab-chunked log-prob's [tokens, chunk] logits (and a
+             Gated DeltaNet layer's fp32 [chunk] decay, pair and solve matrices a value head)
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import jax
 
 from jaxrl_llm.models import quant
 from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.gated_delta import CHUNK
 from jaxrl_llm.models.lora import adapter_shapes, num_adapter_params
 from jaxrl_llm.models.remat import AUTO_LADDER, saved_values_per_layer
 
@@ -49,10 +52,26 @@ def _param_count(cfg: Qwen2Config) -> int:
 
 
 def saved_bytes_per_token(cfg: Qwen2Config, remat: str, act_bytes: int = 2, lora_outputs: int = 0) -> int:
-    """Activations kept for the backward pass, per token, over all layers (`models/remat.py`). `lora_outputs`:
-    the adapters' matmul outputs a token has over all layers (`lora_outputs_per_token`), which "dots" keeps too."""
-    lora = lora_outputs if remat in ("dots", "none") else 0
-    return (saved_values_per_layer(cfg, remat) * cfg.num_hidden_layers + lora) * act_bytes
+    """Activations kept for the backward pass, per token, over all layers. `lora_outputs`: the adapters'
+    matmul outputs a token has over all layers (`lora_outputs_per_token`), which "dots" keeps too."""
+    d, f, layers = cfg.hidden_size, cfg.active_intermediate_size, cfg.num_hidden_layers
+    n_linear = _linear_layers(cfg)
+    if remat not in ("dots", "none"):  # the named policies (models/remat.py) keep tagged activations
+        # of the attention layers; a Gated DeltaNet layer keeps its input (and the MLP's gate under mlp_gate)
+        linear = d + (f if remat == "mlp_gate" else 0)
+        return ((layers - n_linear) * saved_values_per_layer(cfg, remat) + n_linear * linear) * act_bytes
+    # "dots" (and "none", which keeps at least as much): the matmul outputs, the attention's output and its
+    # fp32 softmax statistics (one a head); a Gated DeltaNet's projections and the delta rule's output
+    mlp = 2 * f + d
+    q_out = cfg.q_dim * (2 if cfg.is_hybrid else 1)  # Qwen3.5's q_proj makes the output gate too
+    attention = q_out + 2 * cfg.kv_dim + d + cfg.q_dim + 2 * cfg.num_attention_heads
+    linear = cfg.linear_conv_dim + 2 * cfg.linear_value_dim + 2 * cfg.linear_num_value_heads + d
+    per_token = (layers - n_linear) * (attention + mlp) + n_linear * (linear + mlp)
+    return (per_token + lora_outputs) * act_bytes
+
+
+def _linear_layers(cfg: Qwen2Config) -> int:
+    return sum(cfg.is_linear_layer(i) for i in range(cfg.num_hidden_layers))
 
 
 def lora_outputs_per_token(cfg: Qwen2Config, spec) -> int:
@@ -80,8 +99,11 @@ def estimate_step_bytes(cfg: Qwen2Config, *, remat: str, tokens_per_device: int,
     if engine:
         total += 2.0 * n / tensor
     total += saved_bytes_per_token(cfg, remat, lora_outputs=lora_outputs) * tokens_per_device
-    # One layer's recomputed activations (a few [tokens, F] buffers) and the chunked logits in fp32.
+    # One layer's recomputed activations (a few [tokens, F] buffers) and the chunked logits in fp32; a Gated DeltaNet
+    # layer's chunked delta rule holds about four fp32 [C] rows a value head and token (decay, pairs, solve).
     total += tokens_per_device * (4 * cfg.active_intermediate_size * 2 + logprob_chunk * 4)
+    if _linear_layers(cfg):
+        total += tokens_per_device * 4 * cfg.linear_num_value_heads * CHUNK * 4
     return total
 
 

@@ -119,9 +119,10 @@ class StepPrograms:
         self.engine_weights = self.kv_pool = 0
         if self.jax_engine:
             # The engine's own conversion program (EngineWeights.update_weights runs it on every sync).
-            self.convert = EngineWeights(w.cfg, None, mesh=w.mesh, dtype=w.cfg.dtype)._convert
+            engine = EngineWeights(w.cfg, None, mesh=w.mesh, dtype=w.cfg.dtype)
             with jax.set_mesh(w.mesh):
-                self.engine_params = actor.engine_params()
+                # a frozen base's experts already in the engine's layout are read in place, not copied
+                self.convert, self.engine_params = engine.conversion(actor.engine_params())
                 self.engine_weights = device_bytes(jax.eval_shape(self.convert, self.engine_params))
             if not run.rollout.free_cache_engine and run.rollout.kv_cache == "paged":  # the pool stays between calls
                 share = int(run.rollout.gpu_memory_utilization * limit) - sum(self.resident.values())

@@ -5,6 +5,17 @@ FLOPs follow veRL's `FlopsCounter` for Qwen2 (and Qwen3-MoE), so MFU figures are
   a MoE's sparse layer counts its active MLP instead of 3·D·F: k·3·D·I + D·E (k experts and the router)
   FLOPs = 6·N·tokens + 12·Σ seqlen²·H·N_heads·L
 (6 = forward 2 + backward 4 per multiply-add; the second term is causal-agnostic attention, as veRL).
+
+Qwen3.5 (`flops_params`, `delta_rule_macs`), in the same spirit:
+  * an attention layer's q_proj is twice as wide (each head's query and its output gate): D·(3·N·H + 2·K·H);
+  * a Gated DeltaNet layer (`linear_layers`) counts its projections D·(2·Kd + Vd) + D·Vd + 2·D·Hv + Vd·D
+    (in_proj_qkv, in_proj_z, in_proj_b and in_proj_a, out_proj; Kd = Hk·Dk, Vd = Hv·Dv) and its conv E·Kw
+    (E = 2·Kd + Vd channels, Kw wide) as weights; the quadratic term counts the attention layers only;
+  * the delta rule itself adds 6·tokens·Hv·(3·Dk·Dv + C·(5·Dk + 3·Dv)/2) a linear layer: the multiply-adds of
+    the chunked form a token (chunk C, models/gated_delta.py) — per chunk and value head, K·K^T and Q·K^T
+    (2·C²·Dk), the two triangular solves (C²·(Dk + Dv)/2), the intra-chunk A·V (C²·Dv) and the three products
+    with the [Dk, Dv] state (3·C·Dk·Dv), divided by the C tokens;
+  * a Qwen3.5-MoE's sparse layer adds its shared expert and gate, 3·D·Is + D.
 """
 
 from __future__ import annotations
@@ -17,21 +28,44 @@ import jax
 import numpy as np
 
 from jaxrl_llm.models.config import Qwen2Config
+from jaxrl_llm.models.gated_delta import CHUNK
 
 # bf16 dense peak (TFLOP/s) per device kind, for MFU when train.peak_tflops is unset.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "cpu": 1.0}
 
 
-def veRL_flops(cfg: Qwen2Config, seqlens: np.ndarray) -> float:
-    """Training FLOPs (fwd + bwd) of sequences of these lengths, veRL's formula."""
-    d, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    attn_linear = d * (2 * cfg.q_dim + 2 * cfg.kv_dim)
-    sparse = sum(cfg.is_sparse_layer(i) for i in range(layers))
+def flops_params(cfg: Qwen2Config) -> int:
+    """The N of 6·N·tokens: the weights a token multiplies (the active ones of a MoE), embedding and head included."""
+    d, layers = cfg.hidden_size, cfg.num_hidden_layers
+    gate = 2 if cfg.is_hybrid else 1  # Qwen3.5's q_proj also makes the output gate
+    attn_linear = d * ((gate + 1) * cfg.q_dim + 2 * cfg.kv_dim)
+    kd, vd, hv = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
+    linear = d * (2 * kd + vd) + d * vd + 2 * d * hv + vd * d + cfg.linear_conv_dim * cfg.linear_conv_kernel_dim
     moe_mlp = cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size + d * cfg.num_experts
-    dense = (layers - sparse) * 3 * d * f + sparse * moe_mlp + layers * attn_linear + 2 * cfg.vocab_size * d
+    if cfg.shared_expert_intermediate_size:
+        moe_mlp += 3 * d * cfg.shared_expert_intermediate_size + d
+    n_linear = sum(cfg.is_linear_layer(i) for i in range(layers))
+    sparse = len(cfg.sparse_layers)
+    return ((layers - sparse) * 3 * d * cfg.intermediate_size + sparse * moe_mlp + (layers - n_linear) * attn_linear
+            + n_linear * linear + 2 * cfg.vocab_size * d)
+
+
+def delta_rule_macs(cfg: Qwen2Config, chunk: int = CHUNK) -> float:
+    """Multiply-adds a token of one Gated DeltaNet layer's chunked delta rule (module docstring), all heads."""
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return cfg.linear_num_value_heads * (3 * dk * dv + chunk * (5 * dk + 3 * dv) / 2)
+
+
+def veRL_flops(cfg: Qwen2Config, seqlens: np.ndarray) -> float:
+    """Training FLOPs (fwd + bwd) of sequences of these lengths, veRL's formula (Qwen3.5's layers: module
+    docstring)."""
     seqlens = np.asarray(seqlens, np.float64)
-    attn = 12 * float(np.sum(seqlens ** 2)) * cfg.head_dim * cfg.num_attention_heads * layers
-    return 6.0 * dense * float(np.sum(seqlens)) + attn
+    tokens = float(np.sum(seqlens))
+    n_linear = sum(cfg.is_linear_layer(i) for i in range(cfg.num_hidden_layers))
+    n_attention = cfg.num_hidden_layers - n_linear
+    attn = 12 * float(np.sum(seqlens ** 2)) * cfg.head_dim * cfg.num_attention_heads * n_attention
+    delta = 6.0 * tokens * n_linear * delta_rule_macs(cfg) if n_linear else 0.0
+    return 6.0 * flops_params(cfg) * tokens + attn + delta
 
 
 def peak_tflops(override: float | None = None) -> float:

@@ -15,7 +15,9 @@ routes itself in both modes. The vLLM pool does not return routing, so R3 needs 
 
 Layouts: `TrainBatch.fields["routed_experts"]` is [R, S, L_moe, k] int16 in sequence layout (row r's
 prompt tokens, then its response tokens, from index 0; -1 where nothing was recorded, which routes the
-token live). A micro-batch carries it packed, [rows, L, L_moe, k], like its input ids.
+token live). A micro-batch carries it packed, [rows, L, L_moe, k], like its input ids. L_moe runs over
+`cfg.sparse_layers` in layer order, whatever stack holds them (a Qwen3.5-MoE's linear-attention layers are
+sparse too: all of its layers).
 """
 
 from __future__ import annotations

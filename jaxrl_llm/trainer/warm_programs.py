@@ -58,7 +58,7 @@ def micro_batch(w, pack: PackShape, fields, *, update: bool) -> tuple[dict, dict
                        fields={k: np.zeros((1, tr), np.float32) for k in fields})
     mode = run.router_replay.mode
     if w.cfg.is_moe and (mode == "R3" or (mode == "R2" and update)):  # the routing the passes replay
-        k, layers = w.cfg.num_experts_per_tok, len(w.cfg.layer_stacks["layers"])
+        k, layers = w.cfg.num_experts_per_tok, len(w.cfg.sparse_layers)  # L_moe: every stack's sparse layers
         width = run.data.max_prompt_length + tr
         batch.fields[router_replay.FIELD] = np.zeros((1, width, layers, k), np.int16)
     host = build_micro_batch(batch, [(0, 0, 0)], pack, fields=tuple(fields), pad_id=0)

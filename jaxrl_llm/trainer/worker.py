@@ -23,6 +23,7 @@ from jaxrl_llm.algorithms import (
 )
 from jaxrl_llm.models import Qwen2Config
 from jaxrl_llm.rollout import RolloutBatch, SamplingParams, make_jax_engine
+from jaxrl_llm.rollout.vllm_pool import check_model as check_vllm_model
 from jaxrl_llm.rollout.weight_sync import WeightSync
 from jaxrl_llm.trainer import memory_check, router_replay, steps
 from jaxrl_llm.trainer.algo_setup import (
@@ -72,6 +73,8 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         self.cfg = model_cfg or model_config(run)
         self.lora = lora_spec(run, self.cfg)
         run.router_replay.check_model(self.cfg)
+        if run.rollout.engine == "vllm":
+            check_vllm_model(self.cfg)  # before any weights load: a family the pool cannot serve
         self.memory = None
         if not abstract:
             build = lambda r, c: TrainerWorker(r, total_steps=total_steps, model_cfg=c, abstract=True)

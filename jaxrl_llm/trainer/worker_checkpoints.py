@@ -24,9 +24,10 @@ class WorkerCheckpoints:
         """Waits for pending saves and stops the checkpoint manager's threads."""
         self.ckpt.close()
 
-    def save_checkpoint(self, step: int, meta: dict) -> None:
-        """Starts an async save of the train states (the device-to-host copy happens here)."""
-        self.ckpt.save(step, actor=self.actor_state, critic=self.critic_state, meta=meta)
+    def save_checkpoint(self, step: int, meta: dict) -> dict[str, float]:
+        """Starts an async save of the train states (the device-to-host copy happens here, the disk writes on
+        Orbax's thread) once the previous one has committed; returns the disk usage of the committed ones."""
+        return self.ckpt.save(step, actor=self.actor_state, critic=self.critic_state, meta=meta)
 
     def wait_checkpoint(self) -> None:
         self.ckpt.wait()

@@ -36,7 +36,9 @@ def test_every_mode_runs_the_same_long_tail_and_is_compared_with_sync(tmp_path):
     assert steps["sync", 0]["compile_s"] > 0 and all(" " in p for p in steps["sync", 0]["compiled"])
     assert len(steps["sync", 0]["compiled"]) == 5
     summary = {r["mode"]: r for r in rows if r["section"] == "async_longtail_summary"}
-    assert summary["sync"]["vs_sync"] == 1.0 and summary["fully_async"]["vs_sync"] > 0
+    for mode in ("sync", "fully_async"):  # one compiling step a mode: no steady figure, and no ratio
+        assert summary[mode]["steady_steps"] == 0 and summary[mode]["vs_sync"] is None, summary[mode]
+        assert "no steady step" in summary[mode]["note"]
 
 
 def test_modes_run_in_separate_calls_are_summarized_against_sync():
@@ -53,6 +55,23 @@ def test_modes_run_in_separate_calls_are_summarized_against_sync():
     assert got["sync", 4]["samples_per_s"] == 11.0 and got["sync", 4]["vs_sync"] == 1.0
     assert got["fully_async", 4]["vs_sync"] == 2.0 and got["fully_async", 4]["steady_steps"] == 3
     assert got["fully_async", 4]["wait_share"] == pytest.approx(0.3) and got["fully_async", 2]["vs_sync"] is None
+
+
+def test_no_ratio_is_computed_without_steady_steps_in_both_modes():
+    """One sync step (compiling) against fully_async's steady steps printed vs_sync 3.23x: a mode without a step
+    from 2 on gets no figures, and no mode gets a ratio against it; the note says why."""
+    def rows(mode, rates):
+        return [dict(section="async_longtail", preset="p", lengths="long", devices=4, mode=mode, step=i,
+                     rollout_gpus=0 if mode == "sync" else 2, samples_per_s=x, wait_share=0.1, wall_s=100 / x)
+                for i, x in enumerate(rates)]
+
+    got = {r["mode"]: r for r in summarize(rows("sync", [3.0]) + rows("fully_async", [2.0, 5.0, 9.7, 9.7]))}
+    assert got["sync"]["steady_steps"] == 0 and got["sync"]["samples_per_s"] is None
+    assert got["sync"]["vs_sync"] is None and "no steady step" in got["sync"]["note"]
+    assert got["fully_async"]["samples_per_s"] == 9.7 and got["fully_async"]["vs_sync"] is None
+    assert "sync has none" in got["fully_async"]["note"]
+    alone = summarize(rows("fully_async", [2.0, 5.0, 9.7]))[0]
+    assert alone["vs_sync"] is None and "no sync run" in alone["note"]
 
 
 def test_the_device_split_defaults_to_halves_and_one_that_does_not_fit_is_one_clear_error():

@@ -2,9 +2,12 @@
 merged and recorded; a config runs in its own process, and one that would overrun the budget is reported,
 not started. (Its timings on a GPU are the check's own business, never a test's.)"""
 
+import importlib.util
 import json
 import os
 import subprocess
+
+import pytest
 
 from jaxrl_llm.bench import check, harness
 from jaxrl_llm.bench.check import Config, Figure
@@ -21,7 +24,8 @@ def test_a_figure_is_ok_within_the_tolerance_and_not_past_it_or_on_an_error():
     row = check.compare(STEP, value, None, "GPU", BASE, "e2e")
     assert row["ok"] and row["ratio"] == 1.09 and row["recorded"] == 10.0 and row["figure"] == 10.9
     assert not check.compare(STEP, 11.2, None, "GPU", BASE, "e2e")["ok"]  # 12% slower
-    assert check.compare(STEP, 11.2, None, "Other GPU", BASE, "e2e")["ok"]  # nothing recorded there
+    unknown = check.compare(STEP, 11.2, None, "Other GPU", BASE, "e2e")  # nothing recorded there: not a pass
+    assert not unknown["ok"] and unknown["status"] == "no baseline" and unknown["figure"] == 11.2
     oom = [{"section": "e2e", "error": "XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory"}]
     value, error = check.find(oom, STEP)
     row = check.compare(STEP, value, error, "GPU", BASE, "e2e")
@@ -70,8 +74,8 @@ def test_a_config_runs_in_its_own_process_and_one_past_the_budget_is_not_started
     device, rows = check.check(["logprob", "slow"], out_dir=str(tmp_path), budget_s=300, compile_cache="",
                                baselines=base)
     assert device == "cpu"
-    assert rows[0]["config"] == "fwd_ms" and rows[0]["ok"] and rows[0]["figure"] > 0
-    assert not rows[1]["ok"] and rows[1]["error"].startswith("not run:") and "--configs slow" in rows[1]["error"]
+    assert rows[0]["config"] == "fwd_ms" and rows[0]["status"] == "no baseline" and rows[0]["figure"] > 0
+    assert not rows[1]["ok"] and rows[1]["status"] == "not run" and "--configs slow" in rows[1]["note"]
     assert (tmp_path / "logprob.log").exists()
 
 
@@ -124,3 +128,79 @@ def test_the_files_that_ran_name_their_commit_whatever_the_copys_git_says(tmp_pa
     stale = {"commit": "0ld5ha1+dirty", "tree": "0" * 40}
     assert check.named_commit(stale) == stale
     assert check.report_path("d", "0ld5ha1+dirty", "NVIDIA H200").endswith("gpu_check_0ld5ha1-dirty_h200.json")
+
+
+# ---- scripts/gpu_check.py's exit code, on a clock and configs that stand in for a GPU ----------------------
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def gpu_check_main():
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(check.REPO, "scripts", "gpu_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    """Each config "runs" in its expected seconds on a fake clock and measures its recorded H100 figure times
+    `slower[figure]` (1.0 by default); the report goes under tmp_path. Returns `slower`."""
+    clock, slower = [0.0], {}
+    baselines = check.load_baselines()
+
+    def run_config(cfg, out_dir, timeout_s, compile_cache):
+        clock[0] += cfg.expected_s
+        rows = [{**fig.row, fig.key: baselines["figures"][fig.name]["recorded"][H100]["value"]
+                 * slower.get(fig.name, 1.0)} for fig in cfg.figures]
+        return rows, H100, None
+
+    monkeypatch.setattr(check, "run_config", run_config)
+    monkeypatch.setattr(check.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(check, "report_path", lambda date, sha, device: str(tmp_path / "report.json"))
+    return slower
+
+
+def test_gpu_check_exits_0_when_every_default_config_runs_within_the_tolerance(fake_gpu, tmp_path, capsys):
+    """The default budget starts every default config (their expected seconds add up to 950; a 570 s default
+    left the last two not run, and called them failures)."""
+    assert gpu_check_main()(["--work_dir", str(tmp_path / "work")]) == 0
+    report = check.load_report(str(tmp_path / "report.json"))
+    assert {r["status"] for r in report["results"]} == {"ok"} and len(report["results"]) == 6
+    assert check.default_budget_s(check.DEFAULT) >= sum(c.expected_s for c in check.CONFIGS if c.name in check.DEFAULT)
+
+
+def test_gpu_check_exits_1_on_a_regression(fake_gpu, tmp_path):
+    fake_gpu["e2e_1p5b_step_s"] = 1.12
+    assert gpu_check_main()(["--work_dir", str(tmp_path / "work")]) == 1
+    rows = {r["config"]: r for r in check.load_report(str(tmp_path / "report.json"))["results"]}
+    assert rows["e2e_1p5b_step_s"]["status"] == "regression" and rows["e2e_1p5b_step_s"]["ratio"] == 1.12
+
+
+def test_gpu_check_exits_3_for_configs_not_run_and_says_so(fake_gpu, tmp_path):
+    """A call with 570 s: the configs it does not reach are "not run", neither ok nor failed (exit 3, not 1)."""
+    assert gpu_check_main()(["--work_dir", str(tmp_path / "work"), "--budget_s", "570"]) == 3
+    rows = check.load_report(str(tmp_path / "report.json"))["results"]
+    assert [r["status"] for r in rows] == ["ok"] * 4 + ["not run"] * 2, rows
+    assert "--configs e2e_qwen3_1p7b" in rows[4]["note"] and not rows[4]["ok"]
+
+
+def test_a_device_with_nothing_recorded_is_no_baseline_and_no_pass(fake_gpu, tmp_path, monkeypatch):
+    base = check.load_baselines()
+    for spec in base["figures"].values():
+        spec["recorded"].pop(H100, None)
+    monkeypatch.setattr(check, "load_baselines", lambda: base)
+    assert gpu_check_main()(["--work_dir", str(tmp_path / "work"), "--configs", "e2e_1p5b"]) == 3
+    (row,) = check.load_report(str(tmp_path / "report.json"))["results"]
+    assert row["status"] == "no baseline" and not row["ok"] and row["figure"] > 0
+    assert check.verdict([]) == (3, {})  # nothing checked is no pass either
+
+
+def test_gpu_check_copies_its_report_to_out_dir_only_when_asked(fake_gpu, tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path / "env_out"))  # the lent machine's variable means nothing here
+    (tmp_path / "env_out").mkdir()
+    main = gpu_check_main()
+    assert main(["--work_dir", str(tmp_path / "work"), "--configs", "moe_update"]) == 0
+    assert os.listdir(tmp_path / "env_out") == []
+    assert main(["--work_dir", str(tmp_path / "work"), "--configs", "moe_update", "--out_dir",
+                 str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "report.json").exists() and (tmp_path / "out" / "gpu_check_runs").is_dir()

@@ -54,3 +54,10 @@ def test_a_section_runs_from_the_command_line(tmp_path, capsys):
 def test_an_unknown_section_is_one_clear_error():
     with pytest.raises(SystemExit, match="unknown section.*'e2f'.*known"):
         cli.main(["--sections", "e2f"])
+
+
+def test_the_results_go_where_out_says_whatever_the_environment(monkeypatch):
+    """$OUT is a variable of the lent GPU machines' tool, meaningless to a user: the directory comes from --out."""
+    monkeypatch.setenv("OUT", "/somewhere/else")
+    assert cli.parser().parse_args(["--sections", "list"]).out == "/tmp/bench_out"
+    assert cli.parser().parse_args(["--sections", "list", "--out", "/tmp/x"]).out == "/tmp/x"

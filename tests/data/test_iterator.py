@@ -70,3 +70,13 @@ def test_load_state_dict_refuses_a_different_setup():
         PromptIterator(DATA, 3, seed=1).load_state_dict({k: v for k, v in state.items() if k != "position"})
     with pytest.raises(DataError, match="position=3 is not a valid place"):
         PromptIterator(DATA, 3, seed=1).load_state_dict({**state, "position": 3})
+
+
+def test_a_batch_carries_its_epoch_while_the_iterator_moves_on():
+    """The last batch of an epoch belongs to it, though the iterator is already at the next epoch's start."""
+    it = PromptIterator(DATA, 3, seed=7)
+    epochs = []
+    for _ in range(7):
+        batch = next(it)
+        epochs.append((batch.epoch, it.epoch))
+    assert epochs == [(0, 0), (0, 0), (0, 1), (1, 1), (1, 1), (1, 2), (2, 2)]

@@ -1,6 +1,7 @@
 """Reading veRL-schema rows from parquet and jsonl, and one clear error for each unusable input."""
 
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -106,3 +107,32 @@ def test_empty_dataset(tmp_path):
     pq.write_table(pq.read_table(empty_parquet).slice(0, 0), empty_parquet)
     with pytest.raises(DataError, match="the dataset is empty"):
         read_rows(empty_parquet)
+
+
+IMAGE = {"path": "cat.png"}
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"images": [IMAGE]}, "images"),  # veRL's image_key, the <image> placeholder in the prompt
+    ({"videos": [{"path": "clip.mp4"}]}, "videos"),
+    ({"multi_modal_data": {"image": [IMAGE]}}, "multi_modal_data"),
+    ({"prompt": [{"role": "user", "content": [{"type": "image", "image": "cat.png"},
+                                              {"type": "text", "text": "What is this?"}]}]}, "prompt[0].content"),
+    ({"prompt": [{"role": "system", "content": "Be brief."},
+                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/cat.png"}}]}]},
+     "prompt[1].content"),
+])
+def test_a_row_with_images_is_one_error_naming_the_field(tmp_path, extra, field):
+    """jaxrl_llm trains the language model only: images are refused, not dropped from the prompt silently."""
+    rows = [row(), {**row(), **extra}, {**row(), **extra}]
+    paths = [write_jsonl(tmp_path / "d.jsonl", rows)]
+    if "prompt" not in extra:  # parquet: the column on every row, null where a row has none
+        paths.append(write_parquet(tmp_path / "d.parquet", [{**row(), **{k: None for k in extra}}, *rows[1:]]))
+    for path in paths:
+        with pytest.raises(DataError, match=rf"d\.(jsonl|parquet) row 1: '{re.escape(field)}' carries images or "
+                                            r"videos \(1 more rows.*jaxrl_llm trains the language model only"):
+            read_rows(path)
+    # An empty or null column is no image.
+    empty = [row(images=[], multi_modal_data=None), row(images=None, videos=[])]
+    for path in (write_jsonl(tmp_path / "e.jsonl", empty), write_parquet(tmp_path / "e.parquet", empty)):
+        assert len(read_rows(path)) == 2

@@ -56,3 +56,15 @@ def test_block_m_and_bad_inputs():
         grouped_matmul(x[:, :10], w[:, :10], gs, impl="pallas")
     with pytest.raises(ValueError, match="do not fit"):
         grouped_matmul(x, w, gs[:2])
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_a_layer_of_stacked_experts_is_read_in_place(impl):
+    """rhs [L, E, C, N] with `layer`: the product with that layer's experts, the stack never sliced by the kernel."""
+    rng = np.random.default_rng(7)
+    stack = jnp.asarray(rng.normal(size=(3, 4, 32, 48)).astype(np.float32))
+    lhs = jnp.asarray(rng.normal(size=(40, 32)).astype(np.float32))
+    sizes = jnp.asarray([9, 0, 20, 7], jnp.int32)
+    out = grouped_matmul(lhs, stack, sizes, impl=impl, layer=2)
+    ref = jax.lax.ragged_dot(lhs, stack[2], sizes)
+    np.testing.assert_allclose(np.asarray(out)[:36], np.asarray(ref)[:36], rtol=1e-5, atol=1e-5)

@@ -26,7 +26,7 @@ def _hub(name, **edits):
     (MIXTRAL_KEYS, r"num_local_experts=8: mixture-of-experts models are not supported for model_type='qwen3'"),
     (_hub("qwen2p5_0p5b", use_sliding_window=True, sliding_window=4096), r"use_sliding_window=true is not supported"),
     (_hub("qwen3_0p6b", layer_types=["full_attention"] * 27 + ["sliding_attention"]),
-     r"layer_types has \['sliding_attention'\]; only 'full_attention'"),
+     r"layer_types has \['sliding_attention'\]; model_type 'qwen3' supports \['full_attention'\] layers"),
     (_hub("llama3p1_8b", rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8192)),
      r"rope_scaling.rope_type='yarn' is not supported; supported rope types: default, llama3"),
     (_hub("qwen3_0p6b", rope_scaling=None, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e6)),

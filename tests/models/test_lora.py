@@ -115,7 +115,7 @@ def test_adapter_gradients_equal_pefts(tmp_path):
             node = node[k]
         for leaf in ("lora_a", "lora_b"):
             for slot, layer in enumerate(cfg.layer_stacks[stack]):
-                want = theirs[peft_key(name, layer, leaf).replace(".weight", ".default.weight")]
+                want = theirs[peft_key(path, layer, leaf).replace(".weight", ".default.weight")]
                 got = np.asarray(node[leaf][slot]).T
                 np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=name)
 

@@ -119,7 +119,8 @@ def test_released_config_presets_and_active_params():
     (dict(mlp_only_layers=[2]), r"mlp_only_layers has \[2\], outside the 2 layers"),
     (dict(moe_intermediate_size=0), r"moe_intermediate_size=0"),
     (dict(decoder_sparse_step=3), r"no sparse layer \(decoder_sparse_step=3"),
-    (dict(model_type="qwen3"), r"num_experts=8, output_router_logits=False need model_type='qwen3_moe'"),
+    (dict(model_type="qwen3"),
+     r"num_experts=8, output_router_logits=False need a mixture-of-experts model_type \('qwen3_moe'"),
 ])
 def test_bad_moe_config_is_one_error_naming_the_field(fields, match):
     with pytest.raises(ConfigError, match=match):

@@ -133,3 +133,54 @@ def test_r3_with_multi_turn_is_one_clear_error():
     with pytest.raises(ConfigValueError, match="multi_turn.enable"):
         RouterReplaySettings(mode="R3").validate("jax", multi_turn=True)
     RouterReplaySettings(mode="R2").validate("jax", multi_turn=True)
+
+
+def test_replay_on_a_qwen35_moe_packed_micro_batch_gives_the_recording_passs_logprobs():
+    """Qwen3.5-MoE: every layer is sparse, the linear-attention ones (`linear_layers`) as well as the attention ones
+    (`layers`), so L_moe runs over both stacks in layer order. R2 through the trainer's pieces: the old-log-prob
+    pass records the packed micro-batch's routing (two sequences share a row), it goes to sequence layout and back
+    into the micro-batch, and the update's forward replaying it uses exactly those experts and gives the recording
+    pass's log-probs. A bf16 pass replaying the fp32 pass's routing (R3's case: another forward's routing) uses the
+    fp32 experts in every layer."""
+    from jaxrl_llm.trainer import router_replay
+    from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch
+    from jaxrl_llm.trainer.steps import make_logprob_fn
+
+    cfg = PRESETS["tiny_qwen35_moe"](initializer_range=0.1)
+    assert cfg.sparse_layers == (0, 1, 2, 3) and cfg.layer_stacks == {"layers": (1, 3), "linear_layers": (0, 2)}
+    rng = np.random.default_rng(0)
+    lengths = [9, 6, 12]
+    responses = np.zeros((3, 12), np.int32)
+    for r, n in enumerate(lengths):
+        responses[r, :n] = rng.integers(2, cfg.vocab_size, n)
+    batch = TrainBatch(prompt_ids=[rng.integers(2, cfg.vocab_size, n).astype(np.int32) for n in (5, 7, 4)],
+                       responses=responses, response_mask=(responses > 0).astype(np.float32),
+                       group_ids=np.arange(3, dtype=np.int32))
+    placements, shape = [(0, 0, 0), (1, 0, 14), (2, 1, 0)], PackShape(rows=2, length=32, max_seqs=4, resp_len=12)
+    seq_lengths = batch.prompt_lengths + batch.response_lengths
+    graphdef, _ = graphdef_and_abstract_params(cfg)
+    params = init_params(cfg, seed=0)
+    record = make_logprob_fn(graphdef, temperature=1.0, chunk_size=64, with_routing=True)
+
+    host = build_micro_batch(batch, placements, shape)
+    recorded = jax.device_get(record(params, {k: v for k, v in host.items() if k not in ("seq_ids", "seq_start")}))
+    assert recorded["routing"].shape == (2, 32, 4, cfg.num_experts_per_tok)  # [rows, L, L_moe, k]
+    seq: dict = {}
+    router_replay.unpack(recorded["routing"], host, seq_lengths, seq)
+    batch.fields[router_replay.FIELD] = router_replay.to_train_layout(seq[router_replay.FIELD], 20)
+    host = build_micro_batch(batch, placements, shape)
+    mb = {k: v for k, v in host.items() if k not in ("seq_ids", "seq_start")}
+    valid = host["segment_ids"] > 0
+    np.testing.assert_array_equal(mb[router_replay.FIELD], np.where(valid[..., None, None], recorded["routing"], -1))
+    replayed = jax.device_get(record(params, mb))
+    np.testing.assert_array_equal(replayed["log_prob"], recorded["log_prob"])
+    np.testing.assert_array_equal(replayed["routing"][valid], recorded["routing"][valid])
+
+    bf16 = PRESETS["tiny_qwen35_moe"](initializer_range=0.1, dtype="bfloat16")
+    bf_graphdef, _ = graphdef_and_abstract_params(bf16)
+    bf_record = make_logprob_fn(bf_graphdef, temperature=1.0, chunk_size=64, with_routing=True)
+    live = jax.device_get(bf_record(params, {k: v for k, v in mb.items() if k != router_replay.FIELD}))
+    flips = (np.sort(live["routing"], -1) != np.sort(recorded["routing"], -1)).any(-1)[valid]  # [tokens, L_moe]
+    assert flips.any(), "bf16 and fp32 route alike: the replay below shows nothing"
+    used = jax.device_get(bf_record(params, mb))["routing"]
+    np.testing.assert_array_equal(used[valid], recorded["routing"][valid])

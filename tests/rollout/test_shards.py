@@ -1,7 +1,7 @@
 """Each data-parallel shard of the paged engine is an engine of its own (rollout/shard.py): the deal of prompt groups
 and stealing (rollout/dealer.py), the program ladders (rollout/ladders.py), an executable moved to other devices
-(rollout/programs.py), and on 4 simulated devices: no more decode segments than one device given the same share,
-`max_num_seqs` per shard, and nothing compiled after the first calls, however prompts and budgets change."""
+(rollout/programs.py), and on 4 simulated devices: each shard runs its own share of uneven work as one device would
+alone, `max_num_seqs` per shard, and nothing compiled after the first calls, however prompts and budgets change."""
 
 from __future__ import annotations
 
@@ -141,28 +141,37 @@ def _prompts(rng, count: int, lo: int = 2, hi: int = 12) -> list[list[int]]:
     return [rng.integers(10, 90, size=int(rng.integers(lo, hi))).tolist() for _ in range(count)]
 
 
-@pytest.mark.parametrize("max_num_seqs", [32, 8], ids=["all_at_once", "refills"])
-def test_four_shards_run_no_more_segments_than_one_device_given_the_same_share(model, max_num_seqs):
-    """One device decodes 8 prompts x 4 with mixed budgets (all admitted at once, or through 8 slots with refills);
-    four shards get four times the rows, dealt so each has the same share. Each shard runs its own segments: the
-    busiest runs at most 25% more than the single device, and the shared prompts' tokens are one device's. (With
-    refills, stealing is off: a shard that takes another's rows runs more segments, by design.)"""
+def test_each_shard_runs_its_own_uneven_share_as_one_device_would_alone(model):
+    """Four shards, stealing on, and uneven work: the deal gives two shards the long groups and two the short.
+    Each shard runs as an engine of its own: its segment count and its rows' tokens are those of one device given
+    only that shard's groups (same row streams), so the short shards stop early. A lockstep scheduler, where
+    every shard runs until the busiest is done, gives every shard the busiest one's segments and fails here."""
     cfg, params = model
     rng = np.random.default_rng(0)
-    prompts, budgets = _prompts(rng, 8), rng.integers(2, 40, size=32)
-    kw = dict(dtype="float32", page_size=4, max_num_seqs=max_num_seqs, max_segment=8, max_model_len=64)
-    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3)
-    one = JaxEngine(cfg, params, **kw)
-    ref = one.generate(prompts, sp, max_new_tokens_per_row=budgets)
+    n, group_budgets = 4, [40, 36, 6, 5, 4, 3, 2, 2]
+    prompts = _prompts(rng, len(group_budgets), lo=3, hi=6)
+    budgets = np.repeat(group_budgets, n)  # [8 * n]: a group's rows share one budget
+    kw = dict(dtype="float32", page_size=4, max_num_seqs=32, max_segment=8, max_model_len=64)
+    sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3)
     four = JaxEngine(cfg, params, mesh=sharding.make_mesh(4, 1, 1, devices=jax.devices()[:4]), **kw)
-    four._steal = max_num_seqs >= 32
-    out = four.generate(prompts * 4, sp, max_new_tokens_per_row=np.tile(budgets, 4))
-    s1, s4 = one.last_stats, four.last_stats
-    assert s4["shards"] == 4 and s4["stolen"] == 0
-    assert s4["shard_tokens"] == [s1["tokens"]] * 4  # the same share a shard
-    assert max(s4["shard_segments"]) <= 1.25 * s1["segments"], (s4["shard_segments"], s1["segments"])
-    np.testing.assert_array_equal(out.lengths, np.tile(budgets, 4))
-    np.testing.assert_array_equal(out.tokens[:32], ref.tokens)  # the first copy: the same rows and streams
+    assert four._steal
+    out = four.generate(prompts, sp, max_new_tokens_per_row=budgets)
+    s4 = four.last_stats
+    assert s4["shards"] == 4 and s4["stolen"] == 0  # every row admitted at once: nothing left to steal
+    np.testing.assert_array_equal(out.lengths, budgets)
+    one = JaxEngine(cfg, params, **kw)
+    groups = [[Row(rid=i * n + j, prompt=i, ids=np.asarray(p, np.int32), max_tokens=int(budgets[i * n + j]),
+                   store=RowStore(1, 1, 0)) for j in range(n)] for i, p in enumerate(prompts)]
+    alone = []
+    for shard, dealt in enumerate(deal(groups, 4)):  # the engine's deal: a pure function of the request
+        ids = [g[0].prompt for g in dealt]
+        rows = np.concatenate([np.arange(i * n, (i + 1) * n) for i in ids])
+        ref = one.generate([prompts[i] for i in ids], sp, max_new_tokens_per_row=budgets[rows], seeds=rows)
+        alone.append(one.last_stats["segments"])
+        np.testing.assert_array_equal(out.tokens[rows, : ref.tokens.shape[1]], ref.tokens)
+        assert s4["shard_tokens"][shard] == int(budgets[rows].sum())
+    assert s4["shard_segments"] == alone, (s4["shard_segments"], alone)
+    assert min(alone) < max(alone)  # uneven shares: a lockstep scheduler could not match these counts
 
 
 def test_max_num_seqs_is_per_shard(model, monkeypatch):
@@ -201,8 +210,39 @@ def test_nothing_compiles_after_the_first_calls(model, data):
                                                                              size=2 * len(prompts)))
         compiled = compile_watch.totals()["compiles"] - before["compiles"]
         assert len(out) == 2 * len(prompts)
+        if call >= 1:  # no engine program after the first call (its pool is sized once, not from the rows)
+            assert eng.last_stats["programs_compiled"] == 0, (call, eng.last_stats)
         if call >= 2:
-            assert compiled == 0 and eng.last_stats["programs_compiled"] == 0, (call, compiled, eng.last_stats)
+            assert compiled == 0, (call, compiled)
+
+
+@pytest.mark.parametrize("lengths", ["growing", "lognormal"])
+def test_later_calls_with_longer_rows_compile_no_engine_program(model, lengths):
+    """One device, programs built ahead: each call's rows are longer than the last's (or lognormal prompt lengths
+    and budgets, a long tail). The pool is sized once from max_num_seqs x max_model_len, so no later call grows it
+    (a pool sized from a call's rows x its longest row grew 31 -> 49 -> 129 pages and rebuilt every program)."""
+    cfg, params = model
+    rng = np.random.default_rng(7)
+    eng = JaxEngine(cfg, params, dtype="float32", page_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                    max_prompt_length=32, max_model_len=64, warm_programs=True,
+                    mesh=sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    pages = []
+    for call in range(4):
+        if lengths == "growing":
+            prompt_len, budget = 4 + 8 * call, 8 + 8 * call  # rows of 12, 28, 44, 60 tokens
+            prompts = _prompts(rng, 4, lo=prompt_len, hi=prompt_len + 1)
+            budgets = np.full(8, budget)
+        else:
+            prompts = [rng.integers(10, 90, size=int(np.clip(rng.lognormal(1.5, 0.8), 1, 32))).tolist()
+                       for _ in range(4)]
+            budgets = np.clip(rng.lognormal(2.0, 0.9, size=8), 1, 32).astype(int)
+        out = eng.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=call),
+                           max_new_tokens_per_row=budgets)
+        assert np.all(out.lengths <= budgets)
+        pages.append(eng.last_stats["num_pages"])
+        if call >= 1:
+            assert eng.last_stats["programs_compiled"] == 0, (call, pages, eng.last_stats)
+    assert pages == [8 * 64 // 4 + 1] * 4, pages  # max_num_seqs rows of max_model_len tokens, and scratch
 
 
 # ---- the memory report for the check before the first step ------------------------------------------------

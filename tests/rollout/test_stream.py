@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import time
+import types
 
 import jax
 import numpy as np
@@ -28,6 +29,17 @@ def engine(model, params=None, data: int = 2, **kw):
                      max_segment=4, free_cache_engine=False, mesh=mesh, **kw)
 
 
+def wait_for_rows(stream: RolloutStream, tokens: int, timeout_s: float = 120.0, poll_s: float = 0.005) -> None:
+    """Waits until some row of the stream has `tokens` tokens, and fails the test after `timeout_s`: a stream
+    whose thread died (or never starts a row) would otherwise spin this loop, and CI with it, forever."""
+    deadline = time.monotonic() + timeout_s
+    while stream.store.lengths.max() < tokens:
+        if time.monotonic() > deadline:
+            pytest.fail(f"no row of the stream reached {tokens} tokens in {timeout_s:.0f} s "
+                        f"(longest: {int(stream.store.lengths.max())}): the stream is dead or stuck")
+        time.sleep(poll_s)
+
+
 def collect(q: queue.Queue, count: int) -> dict:
     out = {}
     while len(out) < count:
@@ -39,6 +51,13 @@ def collect(q: queue.Queue, count: int) -> dict:
 def perturbed(params, seed: int = 1):
     keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(params))))
     return jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), params)
+
+
+def test_a_dead_stream_fails_the_wait_within_its_deadline():
+    """A stream whose rows never grow (its thread died) fails `wait_for_rows` at the deadline, not never."""
+    dead = types.SimpleNamespace(store=types.SimpleNamespace(lengths=np.zeros(4, np.int32)))
+    with pytest.raises(pytest.fail.Exception, match="no row of the stream reached 3 tokens"):
+        wait_for_rows(dead, 3, timeout_s=0.2)
 
 
 def test_groups_come_back_as_they_finish_with_the_tokens_of_generate(model):
@@ -74,8 +93,7 @@ def test_new_weights_are_taken_at_a_boundary_and_each_token_keeps_its_version(mo
     q = queue.Queue()
     stream = RolloutStream(eng, LONG, capacity=8, on_group=q.put, kv=kv)
     stream.submit(PROMPTS, list(range(5)), seed=0)
-    while stream.store.lengths.max() < 3:  # swap once every row has started
-        time.sleep(0.01)
+    wait_for_rows(stream, 3)  # swap once a row has started
     v0 = eng.version
     stream.stage_weights(other, version=v0 + 1)
     stream.wait_swapped()
@@ -118,8 +136,7 @@ def test_rows_recomputed_past_the_longest_prompt_run_on_programs_built_ahead(mod
     stream = RolloutStream(eng, LONG, capacity=8, on_group=q.put, kv="recompute")
     stream.submit(PROMPTS, list(range(5)), seed=0)
     programs = eng._programs_for()
-    while stream.store.lengths.max() < 14:  # a row is past 16 tokens of context (its prompt has 2 to 11)
-        time.sleep(0.002)
+    wait_for_rows(stream, 14, poll_s=0.002)  # a row is past 16 tokens of context (its prompt has 2 to 11)
     before = dict(programs.stats)
     stream.stage_weights(other, version=eng.version + 1)
     stream.wait_swapped()
@@ -135,8 +152,7 @@ def test_a_paused_stream_hands_back_its_rows_and_resubmitting_them_resumes_them_
     q = queue.Queue()
     stream = RolloutStream(eng, LONG, capacity=8, on_group=q.put)
     stream.submit(PROMPTS, list(range(5)), seed=0)
-    while stream.store.lengths.max() < 6:
-        time.sleep(0.01)
+    wait_for_rows(stream, 6)
     snap = stream.pause()
     assert len(snap["metas"]) > 0 and snap["lengths"].max() >= 6
     stream.resume()

@@ -142,9 +142,10 @@ def test_fully_async_with_partial_rollouts_learns(tmp_path):
 
 def test_the_one_step_off_demo_learns(tmp_path):
     """gin/grpo_tiny_async.gin (the CPU demo, one rollout device and one training device, one step off): the
-    reward rises far above chance as the synchronous demo's does (the full run passes 0.9, BENCHMARKS.md)."""
+    reward rises far above chance as the synchronous demo's does. Measured (BENCHMARKS.md, "Asynchronous demo"):
+    the last 10 steps' mean score 0.62 at step 80, 0.90 at 140, 0.96 at 160; CI runs the first 80 steps."""
     chance, rows, scores = _demo("gin/grpo_tiny_async.gin", tmp_path)
-    assert scores[-10:].mean() > 0.3 > 30 * chance
+    assert scores[-10:].mean() > 0.5 > 50 * chance
     assert rows[-1]["fully_async/staleness/mean"] == 1
 
 
@@ -179,3 +180,108 @@ def test_a_rollout_side_that_dies_stops_the_run_with_one_error(tmp_path, mode, m
     with pytest.raises(RolloutError, match=match):
         trainer.fit()
     assert trainer._stream is None and (trainer._rollouter is None or not trainer._rollouter.is_alive())
+
+
+def test_one_step_off_rollout_idle_ratio_is_measured_on_the_step_itself(tmp_path, monkeypatch):
+    """rollouter/idle_ratio is the rollout side's idle share of the step's own wall. Batch 2's generation (submitted
+    at step 1's sync point) outlasts step 1 by seconds, so the rollout side is busy for all of step 1 but its sync
+    point: idle under 0.3. (The old formula divided batch 1's generation time, which ran during step 0, by step
+    1's wall, and read step 1 as mostly idle.)"""
+    import time
+
+    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+
+    trainer = AsyncRLTrainer(runs.run_config(*ONE_STEP_OFF, "train.save_freq=-1", steps=3, run_dir=str(tmp_path)))
+    real, calls = trainer.engine.generate, []
+
+    def generate(*a, **k):
+        calls.append(1)
+        out = real(*a, **k)
+        if len(calls) == 3:  # batch 2, on the rollout thread during step 1
+            time.sleep(4.0)
+        return out
+
+    monkeypatch.setattr(trainer.engine, "generate", generate)
+    try:
+        rows = []
+        for k in range(3):
+            rows.append(trainer.step(k))
+            trainer.global_step = k + 1
+    finally:
+        trainer.close()
+    assert 0 <= rows[1]["rollouter/idle_ratio"] < 0.3, rows[1]
+    assert rows[2]["timing_s/wait_prev_gen"] > 1.0  # step 2 waited for batch 2: the rollout side was busy
+
+
+def test_fully_async_drops_samples_past_the_staleness_bound(tmp_path):
+    """max_version_lag 0 with a rollout allowed a step ahead (staleness_threshold 1): the groups of batch 1, generated
+    by version 0 while step 1 trained, are a version behind at step 2, so they are dropped (and counted) and their
+    place goes to fresh prompts; no step trains on a token older than its weights."""
+    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+
+    trainer = AsyncRLTrainer(runs.run_config(*FULLY, "async_training.staleness_threshold=1.0",
+                                             "async_training.max_version_lag=0", "train.save_freq=-1", steps=3,
+                                             run_dir=str(tmp_path)))
+    trainer.fit()
+    rows = runs.by_step(runs.metrics(tmp_path))
+    assert sorted(rows) == [1, 2, 3]
+    assert rows[3]["fully_async/count/stale_samples_dropped_total"] >= 8, rows[3]
+    assert sum(rows[s]["fully_async/count/stale_samples_dropped"] for s in rows) == \
+        rows[3]["fully_async/count/stale_samples_dropped_total"]
+    assert all(rows[s]["fully_async/staleness/max"] == 0 for s in rows)
+
+
+def test_fully_async_with_rollout_correction_weighs_the_stale_samples(tmp_path):
+    """Fully async with stale samples (staleness_threshold 1, up to two versions behind) and veRL's token TIS on
+    the sampler's log-probs (algorithm.rollout_correction): every step trains with finite weights, and the
+    sampler-trainer divergence the weights correct is rounding at the on-policy first step and real once stale
+    samples meet weights an update has moved (step 1's update has no signal at chance: step 3's samples)."""
+    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+
+    trainer = AsyncRLTrainer(runs.run_config(*FULLY, "async_training.staleness_threshold=1.0",
+                                             "algorithm.rollout_correction.rollout_is='token'",
+                                             "algorithm.rollout_correction.rollout_is_threshold=2.0",
+                                             "train.save_freq=-1", steps=3, run_dir=str(tmp_path)))
+    trainer.fit()
+    rows = runs.by_step(runs.metrics(tmp_path))
+    for s, m in rows.items():
+        rc = {k: v for k, v in m.items() if k.startswith("rollout_corr/")}
+        assert "rollout_corr/rollout_is_mean" in rc and all(np.isfinite(v) for v in rc.values()), (s, rc)
+        assert np.isfinite(m["actor/pg_loss"]) and np.isfinite(m["actor/grad_norm"])
+    stale = [s for s in rows if rows[s]["fully_async/staleness/max"] >= 1]
+    assert rows[1]["fully_async/staleness/max"] == 0 and stale, {s: rows[s]["fully_async/staleness/max"] for s in rows}
+    k3 = {s: rows[s]["rollout_corr/k3_kl"] for s in rows}
+    assert k3[1] < 1e-8 and max(k3[s] for s in stale) > 1e-5, k3  # once an update has moved the weights
+
+
+def test_fully_async_stopped_and_resumed_trains_exactly_as_uninterrupted(tmp_path, monkeypatch):
+    """The trainer-level resume of fully_async: its checkpoint at a sync point carries the queued groups, the rows
+    in flight (their tokens so far) and the prompts drawn but not submitted. A run that dies in step 3, once the
+    checkpoint of step 2 has committed, resumes and trains steps 3 and 4 exactly as an uninterrupted run (on
+    policy: staleness 0, so which groups a step takes does not depend on timing)."""
+    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+
+    params = (*FULLY, "train.save_freq=1")
+
+    def trainer(name):
+        return AsyncRLTrainer(runs.run_config(*params, steps=4, run_dir=str(tmp_path / name)))
+
+    trainer("reference").fit()
+    step = AsyncRLTrainer.step
+
+    def dies_in_step_3(self, k):
+        if k == 2:
+            self.worker.call("wait_checkpoint")  # checkpoint 2 committed, as before a SIGKILL in step 3
+            raise RuntimeError("killed in step 3")
+        return step(self, k)
+
+    monkeypatch.setattr(AsyncRLTrainer, "step", dies_in_step_3)
+    with pytest.raises(RuntimeError, match="killed in step 3"):
+        trainer("killed").fit()
+    monkeypatch.setattr(AsyncRLTrainer, "step", step)
+    resumed = trainer("killed")
+    assert resumed.global_step == 2 and resumed._saved is not None
+    resumed.fit()
+    reference, got = (runs.by_step(runs.metrics(tmp_path / d)) for d in ("reference", "killed"))
+    assert sorted(got) == [1, 2, 3, 4]
+    _same(got, reference, [3, 4], rtol=0)

@@ -4,6 +4,7 @@ config in the run dir holds every key, defaults included."""
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -79,7 +80,8 @@ def test_help_names_the_key_list_the_shorthand_and_the_recipes():
     ("actor_rollout_ref.rollout.val_kwargs.n=4", "veRL's actor_rollout_ref.rollout.val_kwargs.n is rollout.val_n"),
     ("algorithm.kl_ctrl.kl_coef=0.01", "veRL's algorithm.kl_ctrl.kl_coef is algorithm.kl_coef here"),
     ("custom_reward_function.path='r.py'", "veRL's custom_reward_function.path is reward.custom_reward_path"),
-    ("trainer.n_gpus_per_node=8", "veRL's trainer.n_gpus_per_node is train.devices_per_process here"),
+    ("trainer.n_gpus_per_node=8", "veRL's trainer.n_gpus_per_node is train.n_gpus_per_node here"),
+    ("trainer.nnodes=2", "veRL's trainer.nnodes is train.nnodes here"),
     ("rollout.multi_turn.enabel=True", "did you mean rollout.multi_turn.enable"),
 ])
 def test_an_unknown_key_gets_the_nearest_key_or_ours_for_a_verl_name(binding, advice):
@@ -102,6 +104,19 @@ def test_a_hydra_style_override_says_how_to_bind_it(capsys):
     assert main(["--gin_file=gin/grpo_tiny.gin", "trainer.total_epochs=3"]) == 2
     err = capsys.readouterr().err
     assert "bindings go in --gin.KEY=VALUE" in err and "veRL's trainer.total_epochs is train.total_epochs" in err
+
+
+def test_a_verl_key_a_doc_names_is_the_key_the_hint_gives():
+    """One name for one key: where a key's doc (`--list_keys`) says it is veRL's X, the hint for X names that key
+    (trainer.n_gpus_per_node and trainer.nnodes were sent to train.devices_per_process and train.num_processes)."""
+    named = {}
+    for k in all_keys():
+        for verl in re.findall(r"veRL's ((?:trainer|actor_rollout_ref|critic|algorithm|custom_reward_function)"
+                               r"(?:\.\w+)+)", k.doc):
+            named[verl] = k.name
+    assert {"trainer.n_gpus_per_node", "trainer.nnodes"} <= set(named), named
+    for verl, ours in named.items():
+        assert hint(verl) == f"veRL's {verl} is {ours} here", (verl, ours)
 
 
 def test_hint_is_empty_for_nothing_near():
@@ -147,3 +162,19 @@ def test_readme_points_to_the_key_list():
     readme = open(os.path.join(runs.REPO, "README.md")).read()
     assert "python -m jaxrl_llm.train --list_keys" in readme
 
+
+
+def test_list_keys_documents_the_qwen35_presets_fields_and_lora_targets(capsys):
+    """Every Qwen3.5 preset is named in model.preset's doc, every field only a Qwen3.5 has in model.overrides', the
+    family's own LoRA targets in model.target_modules'; rollout.engine says the vLLM pool does not take it."""
+    from jaxrl_llm.models.config import PRESETS, DecoderConfig
+    from jaxrl_llm.models.lora import LINEAR_ATTENTION_MODULES
+
+    docs = {line.split(" = ")[0]: line for line in _main(capsys, "--list_keys=model")[1].splitlines()}
+    qwen35 = [name for name in PRESETS if PRESETS[name]().is_hybrid]
+    assert len(qwen35) == 4 and all(f"'{name}'" in docs["model.preset"] for name in qwen35)
+    fields = [f.name for f in dataclasses.fields(DecoderConfig) if f.name.startswith(("linear_", "layer_types"))]
+    assert all(name in docs["model.overrides"] for name in
+               (*fields, "partial_rotary_factor", "shared_expert_intermediate_size")), docs["model.overrides"]
+    assert all(name in docs["model.target_modules"] for name in (*LINEAR_ATTENTION_MODULES, "shared_expert_gate"))
+    assert "not for Qwen3.5" in _main(capsys, "--list_keys=rollout.engine")[1]

@@ -9,6 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from jaxrl_llm.bench import soak
 from tests.trainer import runs
 
 STEPS = 8
@@ -32,12 +33,19 @@ def reference(reference_run):
     return reference_run[1]
 
 
-def test_sigkill_at_five_points_then_resume_is_exact(tmp_path, reference):
+def test_sigkill_at_five_points_then_resume_is_exact(tmp_path, reference, reference_run):
+    reference_dir = reference_run[0]
     d = tmp_path / "run"
     kill_after = sorted(np.random.default_rng(0).choice(np.arange(1, STEPS), size=5, replace=False).tolist())
     resumed = runs.kill_then_resume(d, "train.save_freq=1", steps=STEPS, kill_after=kill_after)
     for step in range(1, STEPS + 1):
         assert resumed[step] == reference[step], f"step {step} differs after kills at {kill_after}"
+    # The soak check (bench/soak.py) finds the same from the run dirs: every step equal to the uninterrupted run's,
+    # and each killed run's steps after its checkpoint (where a kill came before the step's checkpoint committed)
+    # equal to their second run's.
+    assert soak.check(str(d), reference=str(reference_dir))["resumed_equal"]["status"] == "ok"
+    report = soak.check(str(d))
+    assert report["resumed_equal"]["status"] == ("ok" if report["restarts"] else "no data"), report
 
 
 def test_corrupted_latest_checkpoint_resumes_from_the_previous(tmp_path, reference_run):

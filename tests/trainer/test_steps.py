@@ -145,3 +145,33 @@ def test_reference_offloaded_to_host_gives_the_same_kl_loss(tmp_path):
     ma, mb = a.train_step(next(a.iterator), 0), b.train_step(next(b.iterator), 0)
     for key in ("actor/kl_loss", "actor/pg_loss", "actor/grad_norm"):
         assert ma[key] == mb[key], key
+
+
+def test_a_run_resumed_at_an_epoch_boundary_trains_the_configured_steps(tmp_path, monkeypatch):
+    """25 prompts, 8 a batch: 3 steps an epoch, train.total_epochs 2 (6 steps). The run dies in step 4, once the
+    checkpoint of step 3 (the boundary: the iterator at epoch 1, position 0) has committed; the resumed run trains
+    steps 4 to 6 (veRL trains none there), each logged once with its batch's epoch (step 3 is epoch 0's last)."""
+    params = ("train.driver='inprocess'", "train.total_training_steps=None", "train.total_epochs=2",
+              "train.save_freq=3")
+    run_dir = tmp_path / "run"
+    step = RLTrainer.step
+
+    def dies_in_step_4(self, k):
+        if k == 3:
+            self.worker.call("wait_checkpoint")  # checkpoint 3 committed, as before a SIGKILL in step 4
+            raise RuntimeError("killed in step 4")
+        return step(self, k)
+
+    monkeypatch.setattr(RLTrainer, "step", dies_in_step_4)
+    with pytest.raises(RuntimeError, match="killed in step 4"):
+        RLTrainer(runs.run_config(*params, run_dir=run_dir)).fit()
+    monkeypatch.setattr(RLTrainer, "step", step)
+    resumed = RLTrainer(runs.run_config(*params, run_dir=run_dir))
+    state = resumed.iterator.state_dict()
+    assert resumed.global_step == resumed.iterator.steps_per_epoch == 3
+    assert (state["epoch"], state["position"]) == (1, 0)
+    resumed.fit()
+    assert resumed.global_step == resumed.total_steps == 6
+    rows = runs.metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["training/epoch"] for r in rows] == [0, 0, 0, 1, 1, 1]

@@ -1,0 +1,53 @@
+"""The in-place decode step of the gated delta rule (kernels/gdn_decode.py) against the jnp reference and the
+recurrent form of models/gated_delta.py, in Pallas' interpreter."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm.models.gated_delta import l2norm, recurrent_gated_delta_rule
+from kernels.gdn_decode import gdn_decode_step, gdn_decode_step_reference
+
+
+def _inputs(rows=5, slots=9, hk=2, hv=4, dk=16, dv=32, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    state = jnp.asarray(rng.normal(size=(slots, hv, dk, dv)), dtype)
+    q = l2norm(jnp.asarray(rng.normal(size=(rows, hk, dk)))) * dk ** -0.5
+    k = l2norm(jnp.asarray(rng.normal(size=(rows, hk, dk))))
+    v = jnp.asarray(rng.normal(size=(rows, hv, dv)), jnp.float32)
+    g = -jnp.exp(jnp.asarray(rng.normal(size=(rows, hv)), jnp.float32))
+    beta = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(rows, hv)), jnp.float32))
+    order = rng.permutation(np.arange(1, slots))[:rows].astype(np.int32)  # distinct slots, out of order
+    return state, jnp.asarray(order), q, k, v, g, beta
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_kernel_equals_the_reference(dtype, tol):
+    state, slots, q, k, v, g, beta = _inputs(dtype=dtype)
+    ref_o, ref_rows = gdn_decode_step_reference(state, slots, q, k, v, g, beta)
+    o, rows = gdn_decode_step(state, slots, q, k, v, g, beta, impl="pallas")
+    np.testing.assert_allclose(np.asarray(o), np.asarray(ref_o), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(rows, np.float32), np.asarray(ref_rows, np.float32), rtol=tol, atol=tol)
+
+
+def test_the_reference_is_one_step_of_the_recurrent_form():
+    state, slots, q, k, v, g, beta = _inputs()
+    o, rows = gdn_decode_step_reference(state, slots, q, k, v, g, beta)
+    ro, rs = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                                        initial_state=state[slots])
+    np.testing.assert_allclose(np.asarray(o), np.asarray(ro[:, 0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(rows), np.asarray(rs), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)])
+def test_compiled_kernel_at_qwen35_9b_shapes(dtype, tol):
+    """256 rows of Qwen3.5-9B's linear layer (16 key, 32 value heads of 128) in 300 slots, compiled by Triton."""
+    state, slots, q, k, v, g, beta = _inputs(rows=256, slots=300, hk=16, hv=32, dk=128, dv=128, dtype=dtype)
+    ref_o, ref_rows = jax.jit(gdn_decode_step_reference)(state, slots, q, k, v, g, beta)
+    o, rows = jax.jit(lambda *a: gdn_decode_step(*a, impl="pallas"))(state, slots, q, k, v, g, beta)
+    rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
+                             / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
+    assert rel(o, ref_o) < tol and rel(rows, ref_rows) < tol

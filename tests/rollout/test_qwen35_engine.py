@@ -1,0 +1,126 @@
+"""The paged engine on Qwen3.5 (linear-attention layers with state slots beside KV pages): greedy tokens equal
+transformers' generate, under preemption and with the samples of a prompt forking from its snapshot; sampled
+log-probs equal the teacher-forced forward; chunked prefill of long prompts; the memory budget's state slots."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jaxrl_llm.models import load_hf, split_model
+from jaxrl_llm.rollout import JaxEngine, RolloutError, SamplingParams, jax_engine
+from jaxrl_llm.trainer.config import RolloutConfig
+from tests.hf_models import make_qwen35_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
+           [40, 41, 42]]
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_5_moe_text"])
+def hf_and_model(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    hf = make_qwen35_model(d, family=request.param, vocab_size=96, initializer_range=0.3, eos_token_id=7)
+    return hf, load_hf(d)
+
+
+def _hf_greedy(hf, prompt, max_new):
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=7,
+                      pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_transformers_generate_with_preemption(hf_and_model):
+    """A pool of a few pages and a handful of state slots: rows wait, are preempted and recompute their state
+    from position 0, and still give transformers' greedy tokens; chunked prefill splits the long prompt."""
+    hf, model = hf_and_model
+    params = split_model(model)[1]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    refs = [_hf_greedy(hf, p, 24) for p in PROMPTS]
+    assert all(len(set(r)) > 3 for r in refs)  # not a degenerate repeat
+    free = JaxEngine(model.cfg, params, dtype="float32", page_size=4)
+    out = free.generate(PROMPTS, sp)
+    for i in range(len(PROMPTS)):
+        assert out.response_ids(i) == refs[i], f"prompt {i}"
+    assert free.last_stats["state_slots"] > 0 and free.last_stats["preemptions"] == 0
+
+    probe = JaxEngine(model.cfg, params, dtype="float32", page_size=2)
+    tight = JaxEngine(model.cfg, params, dtype="float32", page_size=2, max_num_seqs=3, max_segment=3,
+                      max_num_batched_tokens=16,
+                      kv_cache_memory_bytes=probe.page_bytes() * 23 + probe.state_bytes() * 6)
+    out = tight.generate(PROMPTS, sp)
+    assert tight.last_stats["preemptions"] > 0
+    for i in range(len(PROMPTS)):
+        assert out.response_ids(i) == refs[i], f"prompt {i} (tight)"
+
+
+def test_samples_fork_from_the_prompts_snapshot_and_logprobs_equal_the_forward(hf_and_model):
+    """n samples of a prompt: the first prefills it and writes its state to a snapshot slot, the others share
+    its pages and copy the snapshot. Greedy samples of one prompt are then identical, and sampled tokens'
+    log-probs equal the model's teacher-forced forward."""
+    hf, model = hf_and_model
+    params = split_model(model)[1]
+    engine = JaxEngine(model.cfg, params, dtype="float32", page_size=4)
+    greedy = engine.generate(PROMPTS, SamplingParams(n=3, temperature=0.0, max_new_tokens=12))
+    stats = engine.last_stats  # the others copied its state (a sibling whose first sample finished prefills)
+    assert stats["shared_pages"] > 0 and stats["state_copies"] >= len(PROMPTS)
+    assert stats["prefill_tokens"] < 2 * sum(len(p) - 1 for p in PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        ref = _hf_greedy(hf, prompt, 12)
+        for j in range(3):
+            assert greedy.response_ids(3 * i + j) == ref, f"prompt {i} sample {j}"
+
+    temp = 0.8
+    out = engine.generate(PROMPTS, SamplingParams(n=3, temperature=temp, max_new_tokens=16, seed=4))
+    seqs = [PROMPTS[out.prompt_index[r]] + out.response_ids(r) for r in range(len(out))]
+    ids = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for r, seq in enumerate(seqs):
+        ids[r, : len(seq)] = seq
+    logp = np.asarray(jax.jit(lambda i: jax.nn.log_softmax(model(i) / temp, axis=-1))(ids))
+    for r in range(len(out)):  # the wide init's logits (tens) and the chunked vs recurrent rule: fp32 rounding ~5e-5
+        prompt, resp = PROMPTS[out.prompt_index[r]], out.response_ids(r)
+        pos = np.arange(len(prompt) - 1, len(prompt) + len(resp) - 1)
+        np.testing.assert_allclose(out.logprobs[r, : len(resp)], logp[r, pos, np.asarray(resp)], atol=1e-4, rtol=1e-4)
+
+
+def test_state_slots_come_out_of_the_budget_and_bound_the_rows(hf_and_model):
+    """With an explicit byte budget, the state slots and the pages share it: the slot cap is what fits, and a
+    request with more rows than slots runs in waves."""
+    _, model = hf_and_model
+    params = split_model(model)[1]
+    probe = JaxEngine(model.cfg, params, dtype="float32", page_size=4)
+    budget = 6 * (probe.state_bytes() * 1.25 + 4 * probe.page_bytes())
+    eng = JaxEngine(model.cfg, params, dtype="float32", page_size=4, kv_cache_memory_bytes=int(budget),
+                    max_model_len=64)
+    out = eng.generate(PROMPTS * 3, SamplingParams(n=2, temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    stats = eng.last_stats
+    assert stats["slot_cap"] < 24 and stats["state_slots"] == stats["slot_cap"] + max(1, stats["slot_cap"] // 4) + 1
+    assert stats["kv_bytes"] + stats["state_slots"] * probe.state_bytes() <= budget
+    assert len(out) == 24 and all(out.lengths == 8)
+
+
+def test_the_dense_engine_refuses_a_linear_attention_model(hf_and_model):
+    _, model = hf_and_model
+    with pytest.raises(RolloutError, match="rollout.kv_cache = 'paged'"):
+        jax_engine.make_jax_engine(model.cfg, split_model(model)[1], None, rollout=RolloutConfig(kv_cache="dense"),
+                                   max_prompt_length=32)
+
+
+def test_a_frozen_bases_experts_are_read_in_place(hf_and_model, monkeypatch):
+    """Experts already in the engine's dtype and layout are not copied: the engine holds the caller's [L, E, ...]
+    arrays and its programs index the layer in them, with the tokens of an engine that copies them."""
+    _, model = hf_and_model
+    if not model.cfg.is_moe:
+        pytest.skip("a dense model has no experts")
+    params = split_model(model)[1]
+    engine = JaxEngine(model.cfg, params, dtype="float32", page_size=4)
+    pointer = lambda a: a.addressable_shards[0].data.unsafe_buffer_pointer()
+    for stack in ("layers", "linear_layers"):
+        held = engine.params["experts"][stack]["gate_proj"]
+        assert pointer(held) == pointer(params["model"][stack]["mlp"]["experts"]["gate_proj"])  # the same buffer
+    assert all("expert_gate_w" not in lp for lp in engine.params["layers"])
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=1)
+    shared = engine.generate(PROMPTS, sp)
+    monkeypatch.setattr(JaxEngine, "shared_experts", lambda self, p: {})
+    copied = JaxEngine(model.cfg, params, dtype="float32", page_size=4)
+    assert "experts" not in copied.params
+    np.testing.assert_array_equal(copied.generate(PROMPTS, sp).tokens, shared.tokens)
