@@ -39,7 +39,9 @@ def _train(s):
             "actor/lr": 1e-6, "actor/skipped_steps": 1.0 if s in (7, 8) else 0.0,
             # Step 1 compiles; later steps split 4 s as gen 25%, old_log_prob 12.5%, update_actor 50%, adv 10%.
             "timing_s/gen": 1.0, "timing_s/old_log_prob": 0.5, "timing_s/update_actor": 2.0, "timing_s/adv": 0.4,
-            "timing_s/step": 34.0 if s == 1 else 4.0}
+            "timing_s/step": 34.0 if s == 1 else 4.0, "perf/pack_fill": 0.875,
+            # The first step compiles; step 9 met a program shape that was not built ahead.
+            "perf/compiles": {1: 12, 9: 1}.get(s, 0), "perf/compile_s": {1: 30.0, 9: 2.5}.get(s, 0.0)}
 
 
 def _ppo(s):
@@ -134,7 +136,9 @@ def test_summary_numbers(report):
     np.testing.assert_allclose([t["phases_pct"][p] for p in ("gen", "old_log_prob", "adv", "update_actor")],
                                [25, 12.5, 10, 50])
     assert list(t["phases_pct"]) == ["gen", "old_log_prob", "adv", "update_actor"]  # the order a step runs them
-    assert result["last_n"] == {"n": 20, "steps": [41, 60], "throughput": 1101.0, "mfu": None}
+    assert result["last_n"] == {"n": 20, "steps": [41, 60], "throughput": 1101.0, "mfu": None, "pack_fill": 0.875}
+    assert result["compiles"] == {"first": {"step": 1, "compiles": 12, "compile_s": 30.0},
+                                  "later": {"steps": [2, 60], "compiles": 1, "compile_s": 2.5, "compiled_in": [9]}}
     assert result["skipped_steps"] == {"actor/skipped_steps": 2.0}
     assert result["final_kl"] == {}
 
@@ -145,7 +149,8 @@ def test_summary_numbers(report):
                  "Mean timing_s/step 4 s over steps 2–60; step 1 (JIT compilation) left out.",
                  "| gen | 1 | 25.0 |", "| other (not in a phase) | | 2.5 |",
                  "## Throughput (mean over the last 20 training steps)",
-                 "Steps 41–60: perf/throughput 1101 tokens/s/device, perf/mfu/actor not logged.",
+                 "Steps 41–60: perf/throughput 1101 tokens/s/device, perf/mfu/actor not logged, perf/pack_fill 0.875.",
+                 "| first (1) | 12 | 30 |", "| later (2–60) | 1 | 2.5 |", "Later steps that compiled: 9.",
                  "- actor/skipped_steps total: 2", "![overview](overview.png)", "- [reward](reward.png)",
                  "- critic/score/mean: 1 non-finite value(s)"]:
         assert line in md, line
@@ -241,7 +246,8 @@ def test_cli_writes_report(tmp_path):
         assert (tmp_path / "out" / f"{name}.png").read_bytes()[:8] == PNG_SIGNATURE, name
     md = (tmp_path / "out" / "summary.md").read_text()
     assert "- actor/kl_loss: 0.06 (step 60)" in md and "- actor/reward_kl_penalty: 0.12 (step 60)" in md
-    assert "Steps 51–60: perf/throughput 1111 tokens/s/device, perf/mfu/actor 0.25 (25.00%)." in md
+    assert ("Steps 51–60: perf/throughput 1111 tokens/s/device, perf/mfu/actor 0.25 (25.00%), perf/pack_fill "
+            "0.875.") in md
     skipped = md.split("## Skipped panels")[1].split("\n## ")[0].strip().splitlines()
     assert [line.split(":")[0] for line in skipped if line.startswith("- ")] == ["- multi_turn"]  # single-turn
     assert "warning: metrics.jsonl:" in proc.stderr and "Traceback" not in proc.stderr

@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--small_preset", default="tiny", help="--small: the tiny preset (tiny, or tiny_moe for a MoE)")
     ap.add_argument("--compile_cache", default="", help="JAX's persistent compilation cache dir ('' = off)")
     ap.add_argument("--append", default=None, help="also append the markdown tables to this file")
+    ap.add_argument("--xla_gpu_overlap", action="store_true",
+                    help="XLA's collective-overlap options on a GPU (train.xla_gpu_overlap: jaxrl_llm/xla_flags.py)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # run here, whatever the sections
     for flag, (_, kw) in OPTIONS.items():
         ap.add_argument(flag, **({} if kw.get("action") == "store_true" else {"default": None}), **kw)
@@ -160,6 +162,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"jaxrl_llm.bench: unknown section(s) {unknown}; known:\n{list_sections()}")
     secs = [SECTIONS[n] for n in names]
     os.makedirs(opts.out, exist_ok=True)
+    if opts.xla_gpu_overlap and not opts.child:  # before JAX starts here or in a child (which inherits them)
+        from jaxrl_llm.xla_flags import apply_gpu_overlap
+
+        apply_gpu_overlap(True)
     if opts.child or (all(s.in_process for s in secs) and len({s.mem_fraction for s in secs}) == 1):
         run_here(secs, opts)
     else:

@@ -34,6 +34,13 @@ option("--kv_cache", help="e2e: rollout.kv_cache (paged or dense)", default="pag
 option("--base_quantization", help="e2e: model.base_quantization (none, int8, fp8; needs --lora_rank > 0)",
        default="none")
 option("--top", type=int, help="profile_update: kernels listed", default=40)
+# Issue 40's levers, each on by default (the trainer's defaults) and off by its flag's 0.
+option("--tail_shapes", type=int, default=4, help="e2e, profile_update: actor.tail_shapes (the packing's shapes)")
+option("--fuse_log_prob_passes", type=int, default=1, help="e2e, profile_update: rollout.fuse_log_prob_passes")
+option("--compile_ahead", type=int, default=-1, help="e2e, profile_update: train.compile_ahead (-1: the "
+       "trainer's default, on off the CPU)")
+option("--mini_batches", type=int, default=4, help="e2e, profile_update: mini-batches a step (1: exactly "
+       "on-policy, the old-log-prob pass skipped)")
 
 
 @section("train", help="fwd+bwd+AdamW at the peers' shapes, and the GRPO actor update at the seed's per-GPU batch",
@@ -45,7 +52,8 @@ def train_section(opts):
 
 def train(presets, small: bool, remat_list):
     from jaxrl_llm.algorithms import LossNorm
-    from jaxrl_llm.trainer.batch import PackShape, build_micro_batch, plan_micro_batches
+    from jaxrl_llm.trainer.batch import PackShape, build_micro_batch
+    from jaxrl_llm.trainer.packing import padded_tokens, plan_packing
     from jaxrl_llm.trainer.worker import TrainerWorker
 
     peak_meas = CEILINGS["matmul_tflops"] or 790.0  # PEERS.md: 774-787 TFLOP/s on the lent H200
@@ -109,8 +117,9 @@ def train(presets, small: bool, remat_list):
             jax.block_until_ready(worker.actor_state["params"])
             t_up = time.perf_counter() - t0
             flops = veRL_flops(cfg, seqlens)
-            plans = plan_micro_batches(seqlens, worker.pack)
-            fill = seqlens.sum() / (len(plans) * worker.pack.rows * worker.pack.length)
+            plans = [p for idx in np.array_split(np.arange(len(batch)), 4)  # the 4 mini-batches
+                     for p in plan_packing(seqlens[idx], worker.pack_ladder, worker.dp)]
+            fill = seqlens.sum() / padded_tokens(plans)
             emit(section="train_grpo_update", preset=preset, remat=remat, sequences=len(batch),
                  tokens=int(seqlens.sum()), micro_batches=len(plans), pack_fill=float(fill), seconds=t_up,
                  tokens_per_s=seqlens.sum() / t_up, mfu_measured_peak=flops / t_up / 1e12 / peak_meas,
@@ -124,23 +133,33 @@ def train(presets, small: bool, remat_list):
 def e2e_section(opts):
     e2e([opts.small_preset] if opts.small else opts.train_presets.split(","), opts.small, opts.steps, opts.fsdp,
         opts.tensor, opts.remat.split(",")[0], opts.token_budget, opts.decode_attention, opts.kv_cache,
-        opts.lora_rank, opts.lora_alpha, opts.base_quantization, opts.prompts_per_gpu)
+        opts.lora_rank, opts.lora_alpha, opts.base_quantization, opts.prompts_per_gpu, levers(opts),
+        opts.mini_batches)
+
+
+def levers(opts) -> dict:
+    """make_run's settings of issue 40's levers from the options."""
+    return dict(tail_shapes=opts.tail_shapes, fuse_log_prob_passes=bool(opts.fuse_log_prob_passes),
+                compile_ahead=None if opts.compile_ahead < 0 else bool(opts.compile_ahead))
 
 
 def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, remat: str = "full",
         budget: int = 32768, decode_attention: str = "auto", kv_cache: str = "paged", lora_rank: int = 0,
-        lora_alpha: float = 64.0, base_quantization: str = "none", prompts_per_gpu: int = 128):
+        lora_alpha: float = 64.0, base_quantization: str = "none", prompts_per_gpu: int = 128,
+        lever_settings: dict | None = None, mini_batches: int = 4):
     from jaxrl_llm.trainer.loop import RLTrainer
 
     for preset in presets:
         # The seed run's per-GPU share (128 prompts x 5, or `prompts_per_gpu` x 5) times the devices in the mesh.
         n_dev = jax.device_count() if fsdp == -1 else fsdp * tensor
         n_prompts, n = (8 * n_dev, 2) if small else (prompts_per_gpu * n_dev, 5)
-        run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=2048 if small else budget,
+        run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // mini_batches,
+                       budget=2048 if small else budget,
                        remat=remat, small=small, max_response=64 if small else 1024, max_prompt=64 if small else 512,
                        run_dir=tempfile.mkdtemp(), fsdp=fsdp, tensor=tensor,
                        max_batch=4096 * n_dev, decode_attention=decode_attention, kv_cache=kv_cache,
-                       lora_rank=lora_rank, lora_alpha=lora_alpha, base_quantization=base_quantization)
+                       lora_rank=lora_rank, lora_alpha=lora_alpha, base_quantization=base_quantization,
+                       **(lever_settings or {}))
         t_init = time.perf_counter()
         trainer = RLTrainer(run)
         if jax.process_index() == 0:
@@ -183,6 +202,8 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
                 pool = {f"kv/{k}": v for k, v in getattr(engine, "last_stats", {}).items()
                         if k in ("num_pages", "kv_bytes", "preemptions", "row_steps", "tokens", "budget_source")}
                 emit(section="e2e", preset=preset, mesh=mesh, remat=remat, remat_used=worker.cfg.remat,
+                     **(lever_settings or {}), mini_batches=mini_batches,
+                     fused=worker.run.rollout.fuse_log_prob_passes, on_policy=worker.on_policy,
                      lora_rank=lora_rank, base_quantization=base_quantization,
                      decode_attention=decode_attention, step=step,
                      kv_cache=kv_cache, device_peak_gb=device_gb(), **pool, devices=n_dev,
@@ -194,36 +215,49 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
          "pass), top kernels and totals by kind", defaults={"train_presets": "qwen2p5_1p5b", "remat": "auto",
                                                             "token_budget": 16384}, mem_fraction=TRAINER_MEM_FRACTION)
 def profile_update(opts):
-    """Builds the trainer's worker on one device (remat and token budget as given; `auto` is the trainer's
-    default), makes a synthetic seed-shaped batch (128 prompts x 5, the seed's response lengths), runs the
-    old-log-prob pass and two updates (compile, then timed), then traces a third update and the log-prob pass."""
+    """Builds the trainer's worker (mesh, remat, token budget and levers as given; `auto` is the trainer's
+    default), makes a synthetic seed-shaped batch (`--prompts_per_gpu` x 5 a device, the seed's response
+    lengths), runs the log-prob passes (old and reference, fused where on) and two updates (the first compiles
+    what the worker did not build ahead), times the second of each, then traces one more of each and sorts the
+    trace's time into matmul, attention, collectives (exposed, overlapped), elementwise and norms, the
+    optimizer and the gaps between kernels (`trace.sort_trace`)."""
     from jaxrl_llm.trainer.worker import TrainerWorker
 
     preset = "tiny" if opts.small else opts.train_presets.split(",")[0]
-    n_prompts, n, max_resp = (8, 2, 64) if opts.small else (128, 5, 1024)
+    n_dev = jax.device_count() if opts.fsdp == -1 else opts.fsdp * opts.tensor
+    n_prompts, n, max_resp = (8 * n_dev, 2, 64) if opts.small else (opts.prompts_per_gpu * n_dev, 5, 1024)
     budget = 2048 if opts.small else opts.token_budget
-    run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // 4, budget=budget, remat=opts.remat,
-                   small=opts.small, max_response=max_resp, max_prompt=64 if opts.small else 512)
+    run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // opts.mini_batches, budget=budget,
+                   remat=opts.remat, small=opts.small, max_response=max_resp, max_prompt=64 if opts.small else 512,
+                   fsdp=opts.fsdp, tensor=opts.tensor, **levers(opts))
     worker = TrainerWorker(run, total_steps=10)
     batch = synthetic_batch(n_prompts, n, max_resp, worker.cfg.vocab_size, max_prompt=run.data.max_prompt_length)
-    lp = worker.compute_log_prob(batch)
-    batch.fields["old_log_prob"] = lp["old_log_prob"]
-    batch.fields["ref_log_prob"] = lp["old_log_prob"]
-    worker.update_actor(batch, 0)  # compile
+    passes = dict(old=worker.needs_old_log_prob(), ref=worker.needs_ref)
+    seqlens = batch.prompt_lengths + batch.response_lengths
+    flops = veRL_flops(worker.cfg, seqlens)
+    lp = worker._forward(batch, **passes)
+    t0 = time.perf_counter()
+    lp = worker._forward(batch, **passes)
+    t_lp = time.perf_counter() - t0
+    fwd_flops = flops / 3 * sum(passes.values())
+    emit(section="log_prob_pass", preset=preset, remat=worker.cfg.remat, devices=n_dev, **passes,
+         fused=worker.run.rollout.fuse_log_prob_passes, budget=worker.fwd_pack.rows * worker.fwd_pack.length // n_dev,
+         tokens=int(seqlens.sum()), seconds=t_lp, mfu_989=fwd_flops / t_lp / 1e12 / 989.0 / n_dev,
+         **worker.pack_metrics())
+    batch.fields.update(lp)
+    worker.update_actor(batch, 0)  # compiles what the worker did not build ahead
     t0 = time.perf_counter()
     metrics = worker.update_actor(batch, 1)
     jax.block_until_ready(worker.actor_state["params"])
     t_up = time.perf_counter() - t0
-    seqlens = batch.prompt_lengths + batch.response_lengths
-    flops = veRL_flops(worker.cfg, seqlens)
-    emit(section="update", preset=preset, remat=worker.cfg.remat, budget=run.actor.ppo_max_token_len_per_gpu,
-         tokens=int(seqlens.sum()), seconds=t_up, mfu_989=flops / t_up / 1e12 / 989.0,
-         grad_norm=metrics["actor/grad_norm"], peak_gb=device_gb(), pack_rows=worker.pack.rows,
-         pack_length=worker.pack.length)
+    emit(section="update", preset=preset, remat=worker.cfg.remat, devices=n_dev,
+         budget=run.actor.ppo_max_token_len_per_gpu, tokens=int(seqlens.sum()), seconds=t_up,
+         mfu_989=flops / t_up / 1e12 / 989.0 / n_dev, grad_norm=metrics["actor/grad_norm"], peak_gb=device_gb(),
+         pack_rows=worker.pack.rows, pack_length=worker.pack.length, **worker.pack_metrics())
 
     def update():
         worker.update_actor(batch, 2)
         jax.block_until_ready(worker.actor_state["params"])
 
     trace.profile(update, "update", opts.top)
-    trace.profile(lambda: worker.compute_log_prob(batch), "log_prob", opts.top)
+    trace.profile(lambda: worker._forward(batch, **passes), "log_prob", opts.top)

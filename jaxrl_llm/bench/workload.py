@@ -86,6 +86,22 @@ def gsm8k_prompts(n: int, vocab_size: int | None = None) -> list[list[int]]:
     return out
 
 
+@functools.cache
+def gsm8k_prompt_lengths() -> np.ndarray:
+    """[1319] token counts of `gsm8k_prompts`' prompts, by the same chat template and tokenizer read without
+    transformers (whose import alone takes seconds): what a test of the seed's lengths needs."""
+    import jinja2
+    import tokenizers
+
+    d = os.path.join(data_dir(), "qwen2_tokenizer")
+    with open(os.path.join(d, "tokenizer_config.json")) as f:
+        template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(json.load(f)["chat_template"])
+    texts = [template.render(messages=[{"role": "user", "content": q}], add_generation_prompt=True)
+             for q in _questions()]
+    tok = tokenizers.Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+    return np.asarray([len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)], np.int32)
+
+
 def seed_response_lengths(n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     mu = np.log(SEED_RESPONSE_MEAN) - 0.5 ** 2 / 2
@@ -119,7 +135,8 @@ def long_lengths(n: int, seed: int = 0, cap: int = 16384) -> np.ndarray:
 def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat: str, fsdp: int = -1, tensor: int = 1,
              max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run",
              max_batch: int = 4096, decode_attention: str = "auto", kv_cache: str = "paged", lora_rank: int = 0,
-             lora_alpha: float = 64.0, base_quantization: str = "none", total_steps: int = 3):
+             lora_alpha: float = 64.0, base_quantization: str = "none", total_steps: int = 3, tail_shapes: int = 4,
+             fuse_log_prob_passes: bool = True, compile_ahead: bool | None = None):
     from jaxrl_llm.models.config import PRESETS
     from jaxrl_llm.trainer import config as C
 
@@ -137,14 +154,15 @@ def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat
         data=C.DataConfig(source="files", train_files=(gsm8k_test_file(),),
                           train_batch_size=prompts, max_prompt_length=max_prompt, max_response_length=max_response),
         rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=max_batch, decode_attention=decode_attention,
-                                kv_cache=kv_cache),
+                                kv_cache=kv_cache, fuse_log_prob_passes=fuse_log_prob_passes),
         actor=C.ActorConfig(lr=1e-5 if lora_rank else 1e-6, ppo_mini_batch_size=mini,
                             ppo_max_token_len_per_gpu=budget, use_kl_loss=True,
-                            kl_loss_coef=0.001, kl_loss_type="low_var_kl"),
+                            kl_loss_coef=0.001, kl_loss_type="low_var_kl", tail_shapes=tail_shapes),
         critic=C.CriticConfig(), algo=C.AlgoConfig(adv_estimator="grpo"), reward=C.RewardConfig(),
         trainer=C.TrainerConfig(run_dir=run_dir, logger=("jsonl",), driver="inprocess", mesh_fsdp=fsdp,
                                 mesh_tensor=tensor,
-                                progress_bar=False, total_training_steps=total_steps)).validate()
+                                progress_bar=False, total_training_steps=total_steps,
+                                compile_ahead=compile_ahead)).validate()
 
 
 def synthetic_batch(n_prompts: int, n: int, max_response: int, vocab: int, seed: int = 0, max_prompt: int = 512):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models import families
 from jaxrl_llm.models.errors import ConfigError
+from jaxrl_llm.models.remat import POLICIES as REMAT_POLICIES
 from jaxrl_llm.models.rope import RopeScaling, rope_scaling_from_hf
 
 SUPPORTED_ARCHITECTURES = tuple(a for f in families.FAMILIES.values() for a in f.architectures)
@@ -30,7 +31,8 @@ class DecoderConfig:
     The shape fields use HF's names so that `from_hf(config.json)` is a rename-free read.
     `dtype` is the compute dtype and `param_dtype` the storage dtype (fp32 master weights with bf16
     compute is the usual training setup). `remat` picks the activation-checkpoint policy of the layer
-    scan: "none", "full" (recompute the whole layer) or "dots" (save matmul outputs).
+    scan: "none", "full" (recompute the whole layer), "dots" (save matmul outputs), or one between them
+    (`models/remat.py`).
     `attention_impl` is "xla", "cudnn" (flash attention, GPU only) or "auto" (cudnn on GPU when the
     dtype is 16-bit, else xla). `lora_*` add LoRA adapters to the model (not part of HF's config.json).
 
@@ -117,8 +119,8 @@ class DecoderConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if self.remat not in ("none", "full", "dots"):
-            raise ConfigError(f"remat={self.remat!r}; expected 'none', 'full' or 'dots'")
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"remat={self.remat!r}; expected one of {REMAT_POLICIES}")
         if self.attention_impl not in ("auto", "xla", "cudnn"):
             raise ConfigError(f"attention_impl={self.attention_impl!r}; expected 'auto', 'xla' or 'cudnn'")
         for name in ("dtype", "param_dtype"):

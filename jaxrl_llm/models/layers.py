@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models import quant
@@ -90,6 +91,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(f, d, use_bias=False, cfg=cfg, rngs=rngs, name="down_proj")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, F]
+        # Tagged for the remat policies (models/remat.py).
+        gate, up = checkpoint_name(self.gate_proj(x), "gate_proj"), checkpoint_name(self.up_proj(x), "up_proj")
+        h = jax.nn.silu(gate) * up  # [B, T, F]
         h = sharding.constrain(h, ("batch", "length", "act_mlp"))
         return self.down_proj(h)

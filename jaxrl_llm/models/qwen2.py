@@ -27,12 +27,14 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.layers import MLP, Linear, RMSNorm, _dtype, rms_norm
 from jaxrl_llm.models.linear_attention import GatedDeltaNet
 from jaxrl_llm.models.moe import SparseMoeBlock, load_balancing_loss
+from jaxrl_llm.models.remat import remat_policy
 from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = ["MLP", "Linear", "RMSNorm", "rms_norm"]  # re-exported: the sampler and older callers import them from here
@@ -144,14 +146,15 @@ class Attention(nnx.Module):
         """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], with RoPE applied to q and k, and the output
         gate [B, T, N H] (None unless gated)."""
         b, t, _ = x.shape
-        q = self.q_proj(x)
+        # Tagged for the remat policies (models/remat.py), as every saveable activation of the layer.
+        q = checkpoint_name(self.q_proj(x), "q_proj")
         gate = None
         if self.gated:
             q, gate = jnp.split(q.reshape(b, t, self.num_heads, 2 * self.head_dim), 2, axis=-1)
             gate = gate.reshape(b, t, self.num_heads * self.head_dim)
         q = q.reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        k = checkpoint_name(self.k_proj(x), "k_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = checkpoint_name(self.v_proj(x), "v_proj").reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
@@ -189,8 +192,9 @@ class DecoderLayer(nnx.Module):
             x = x + self.linear_attn(y, resets=resets, valid=valid)
         else:
             q, k, v, gate = self.self_attn.qkv(y, cos, sin)
-            out = dot_product_attention(q, k, v, mask=mask, lengths=lengths, impl=self.self_attn.impl)
-            x = x + self.self_attn.output(out, gate)
+            out = checkpoint_name(dot_product_attention(q, k, v, mask=mask, lengths=lengths,
+                                                        impl=self.self_attn.impl), "attention")
+            x = x + checkpoint_name(self.self_attn.output(out, gate), "o_proj")
         y = self.post_attention_layernorm(x)
         aux = None
         if isinstance(self.mlp, SparseMoeBlock):
@@ -200,20 +204,6 @@ class DecoderLayer(nnx.Module):
             y = self.mlp(y)
         x = sharding.constrain(x + y, ("batch", "length", "act_embed"))
         return x, aux
-
-
-def _dots_and_attention_saveable(prim, *args, **params) -> bool:
-    """Matmul outputs without batch dims (`dots_with_no_batch_dims_saveable`) and the outputs of cuDNN's
-    attention forward (its output and softmax statistics): the backward pass then runs no forward
-    attention again. XLA's attention is made of batched dots, which this saves as before: nothing."""
-    return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-            or prim.name.startswith("dot_product_attention_fwd"))
-
-
-_REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": _dots_and_attention_saveable,
-}
 
 
 def segment_starts(segment_ids: jax.Array) -> jax.Array:
@@ -324,7 +314,7 @@ class DecoderModel(nnx.Module):
                 return h, tuple(auxes)
 
             if cfg.remat != "none":
-                body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+                body = jax.checkpoint(body, policy=remat_policy(cfg.remat), prevent_cse=False)
             x, auxes = jax.lax.scan(body, x, (params, replays))
             for ids, aux in zip(layer_ids, auxes):
                 if aux is not None:  # a sparse layer: stats [groups, 2, E + 1], experts [groups, B, T, k]

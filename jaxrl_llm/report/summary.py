@@ -46,6 +46,23 @@ def _step_time(run: RunMetrics) -> dict | None:
             "phases_s": phases, "phases_pct": pct, "other_pct": 100 - sum(pct.values()) if phases else None}
 
 
+def _compiles(run: RunMetrics) -> dict | None:
+    """XLA compiles (`perf/compiles`, `perf/compile_s`) in the first step and in all later ones together, and
+    which later steps compiled (a run whose program shapes are all built ahead compiles nothing after its
+    first step); None where the run does not log them."""
+    steps, counts = run.series("perf/compiles")
+    if not len(steps):
+        return None
+    _, secs = run.series("perf/compile_s")
+    secs = secs if len(secs) == len(steps) else np.zeros(len(steps))
+    counts, secs = np.nan_to_num(counts), np.nan_to_num(secs)
+    later = slice(1, None)
+    return {"first": {"step": int(steps[0]), "compiles": int(counts[0]), "compile_s": float(secs[0])},
+            "later": {"steps": [int(steps[1]), int(steps[-1])] if len(steps) > 1 else None,
+                      "compiles": int(counts[later].sum()), "compile_s": float(secs[later].sum()),
+                      "compiled_in": [int(s) for s, c in zip(steps[later], counts[later]) if c > 0]}}
+
+
 def _async_stats(run: RunMetrics) -> dict:
     """An async run's metrics: {key: first, last (points), mean} of those it logs, and each count's total over
     the run ("totals"); {} for a synchronous run."""
@@ -71,8 +88,10 @@ def compute_stats(run: RunMetrics, last_n: int) -> dict:
         "tool_use": {k: _first_last_best(run, k) for k in TOOL_KEYS if run.has(k)},
         "step_time": _step_time(run),
         "async": _async_stats(run),
+        "compiles": _compiles(run),
         "last_n": {"n": len(tail), "steps": [tail[0]["step"], tail[-1]["step"]] if tail else None,
-                   "throughput": _finite_mean(tail, "perf/throughput"), "mfu": _finite_mean(tail, "perf/mfu/actor")},
+                   "throughput": _finite_mean(tail, "perf/throughput"), "mfu": _finite_mean(tail, "perf/mfu/actor"),
+                   "pack_fill": _finite_mean(tail, "perf/pack_fill")},
         "skipped_steps": {k: float(np.nansum(run.series(k)[1])) for k in ("actor/skipped_steps", "critic/skipped_steps")
                           if run.has(k)},
         "nonfinite": dict(run.nonfinite()),
@@ -143,10 +162,23 @@ def render_summary(run_dir: str, stats: dict, plots: dict[str, str], skipped: di
     n = stats["last_n"]
     md += ["", f"## Throughput (mean over the last {n['n']} training steps)", ""]
     if n["n"]:
-        thr, mfu = n["throughput"], n["mfu"]
+        thr, mfu, fill = n["throughput"], n["mfu"], n.get("pack_fill")
         md.append(f"Steps {n['steps'][0]}–{n['steps'][1]}: perf/throughput "
                   f"{_g(thr) + ' tokens/s/device' if thr is not None else 'not logged'}, perf/mfu/actor "
-                  f"{f'{_g(mfu)} ({100 * mfu:.2f}%)' if mfu is not None else 'not logged'}.")
+                  f"{f'{_g(mfu)} ({100 * mfu:.2f}%)' if mfu is not None else 'not logged'}"
+                  f"{f', perf/pack_fill {fill:.3f}' if fill is not None else ''}.")
+
+    md += ["", "## Compiles (perf/compiles, perf/compile_s)", ""]
+    if c := stats.get("compiles"):
+        first, later = c["first"], c["later"]
+        md += ["| steps | compiles | compile s |", "|---|---:|---:|",
+               f"| first ({first['step']}) | {first['compiles']} | {_g(first['compile_s'])} |"]
+        if later["steps"]:
+            md.append(f"| later ({later['steps'][0]}–{later['steps'][1]}) | {later['compiles']} | "
+                      f"{_g(later['compile_s'])} |")
+            md += ["", "Later steps that compiled: " + (", ".join(map(str, later["compiled_in"])) or "none") + "."]
+    else:
+        md.append("No perf/compiles in this run.")
 
     md += ["", "## Skipped steps", ""]
     md += [f"- {k} total: {_g(v)}" for k, v in stats["skipped_steps"].items()] or ["No skipped_steps metric."]

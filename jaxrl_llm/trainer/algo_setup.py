@@ -33,6 +33,26 @@ def rollout_correction_config(run: RunConfig) -> RolloutCorrectionConfig | None:
     return run.rollout_correction if rollout_correction_enabled(run.rollout_correction) else None
 
 
+def exactly_on_policy(run: RunConfig, est, rc: RolloutCorrectionConfig | None) -> str | None:
+    """Why the old-log-prob pass can be skipped, or None where it cannot (veRL's shortcut).
+
+    A step of one mini-batch (`actor.ppo_mini_batch_size` = `data.train_batch_size`) and one epoch updates
+    from the very params that sampled nothing else since the last sync: the old policy is the current one, so
+    the update uses its own log-probs, detached, as the old ones (the ratio is 1 by construction). Nothing
+    else may read the old log-probs separately: not the KL penalty in the reward, nor rollout correction (its
+    weights compare them with the sampler's), nor an estimator that takes them (or Σπ² of their pass), nor
+    training on stale samples (async modes)."""
+    a = run.actor
+    if a.ppo_epochs != 1 or a.ppo_mini_batch_size != run.data.train_batch_size:
+        return None
+    if run.algo.use_kl_in_reward or rc is not None or run.async_training.off_policy:
+        return None
+    if {"old_log_probs", "sum_pi_squared", "rollout_is_weights"} & set(est.inputs):
+        return None
+    return (f"one mini-batch (actor.ppo_mini_batch_size = data.train_batch_size = {a.ppo_mini_batch_size}) and "
+            "one epoch: the update uses its own log-probs, detached, as the old ones")
+
+
 def make_adv_fn(run: RunConfig, est, rc: RolloutCorrectionConfig | None):
     """One jitted function from the scored batch to what the update needs: rollout correction
     (decoupled mode: importance weights and rejection of the whole batch, from the old and the

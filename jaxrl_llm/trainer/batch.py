@@ -8,7 +8,8 @@ Two layouts:
     recompiles, almost no padding). The model runs here.
 
 `resp_pos[s, j]` is the flat packed position whose hidden state predicts response token j of slot s;
-per-token model outputs are gathered from packed to response layout through it.
+per-token model outputs are gathered from packed to response layout through it. Which sequences go to
+which micro-batch, row and offset, and at which of a few fixed shapes, is `trainer/packing.py`'s choice.
 """
 
 from __future__ import annotations
@@ -87,57 +88,6 @@ class TrainBatch:
         fields = {k[len("field/"):]: v for k, v in arrays.items() if k.startswith("field/")}
         return cls(prompt_ids=prompts, responses=arrays["responses"], response_mask=arrays["response_mask"],
                    group_ids=arrays["group_ids"], fields=fields)
-
-
-def plan_micro_batches(seq_lengths: np.ndarray, shape: PackShape) -> list[list[tuple[int, int, int]]]:
-    """First-fit-decreasing packing of sequences into micro-batches of `shape`.
-
-    Args:
-      seq_lengths: [R] tokens of each sequence (prompt + response), each <= shape.length.
-    Returns:
-      One list per micro-batch of (sequence index, row, offset) placements.
-    """
-    if len(seq_lengths) and int(np.max(seq_lengths)) > shape.length:
-        raise ValueError(f"a sequence of {int(np.max(seq_lengths))} tokens does not fit a packed row of "
-                         f"{shape.length}; raise actor.pack_length")
-    order = np.argsort(-np.asarray(seq_lengths), kind="stable")
-    batches: list[list[tuple[int, int, int]]] = []
-    fill: list[int] = []  # tokens used in each row of the open micro-batch
-    for i in order:
-        n = int(seq_lengths[i])
-        row = None
-        if batches and len(batches[-1]) < shape.max_seqs:
-            row = next((r for r, used in enumerate(fill) if used + n <= shape.length), None)
-            if row is None and len(fill) < shape.rows:
-                fill.append(0)
-                row = len(fill) - 1
-        if row is None:  # the open micro-batch is full: start the next one
-            batches.append([])
-            fill = [0]
-            row = 0
-        batches[-1].append((int(i), row, fill[row]))
-        fill[row] += n
-    return batches
-
-
-def tail_shape(placements: list[tuple[int, int, int]], shape: PackShape, shards: int, depth: int) -> PackShape:
-    """The smallest shape of a short ladder that holds `placements` (rows and sequence slots).
-
-    The last micro-batch of a mini-batch is often far from full; running it at the full shape wastes
-    its empty rows' compute. The ladder halves the rows each device holds, `depth` shapes in all
-    (ceil(r / 2^k) rows a device, k < depth), so a run compiles a few shapes while the tail costs about
-    what it holds. `shards` is the number of devices the rows are split over.
-    """
-    per = shape.rows // shards
-    used_rows = 1 + max(row for _, row, _ in placements)
-    seqs_per_row = shape.max_seqs // shape.rows
-    best = shape
-    for k in range(1, depth):
-        rows = -(-per // (1 << k)) * shards
-        if rows >= best.rows or rows < used_rows or rows * seqs_per_row < len(placements):
-            break
-        best = dataclasses.replace(shape, rows=rows, max_seqs=rows * seqs_per_row)
-    return best
 
 
 def build_micro_batch(batch: TrainBatch, placements: list[tuple[int, int, int]], shape: PackShape,

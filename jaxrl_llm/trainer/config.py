@@ -32,7 +32,9 @@ class ModelConfig:
     tokenizer_path: str | None = None  # a HF tokenizer dir (default: model.path)
     dtype: str = "bfloat16"  # the compute dtype (and the export's default)
     param_dtype: str = "float32"  # the master weights' dtype
-    remat: str = "auto"  # "auto": "dots" when the device has the memory for it, else "full"
+    # "auto": the policy with the least recompute whose update fits the device (models/remat.py: "dots", ...,
+    # "full"), or one by name
+    remat: str = "auto"
     attention_impl: str = "auto"  # 'auto' (cuDNN flash attention on GPUs), 'cudnn' or 'xla'
     critic_path: str | None = None  # defaults to `path` (veRL initialises the critic from the actor)
     # DecoderConfig fields to change (e.g. a smaller vocab for a preset); a Qwen3.5's also layer_types (each
@@ -61,8 +63,10 @@ class ModelConfig:
                "set exactly one: a HF model dir (or hub id) in `path`, or a random-init `preset`")
         _check(self.preset is None or self.preset in PRESETS, "model.preset",
                f"unknown preset {self.preset!r}; known: {sorted(PRESETS)}")
-        _check(self.remat in ("auto", "none", "full", "dots"), "model.remat",
-               f"{self.remat!r}; use 'auto', 'none', 'full' or 'dots'")
+        from jaxrl_llm.models.remat import POLICIES
+
+        _check(self.remat == "auto" or self.remat in POLICIES, "model.remat",
+               f"{self.remat!r}; use 'auto' or one of {POLICIES} (models/remat.py)")
         self._validate_lora()
 
     def _validate_lora(self):
@@ -130,9 +134,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x n responses)
     ppo_max_token_len_per_gpu: int = 16384  # token budget of one micro-batch per device
     pack_length: int | None = None  # packed row length (default: max prompt + max response, rounded)
-    # Shapes the last micro-batch of a mini-batch may take (1: always the full one; k: the full one and
-    # 1/2 ... 1/2^(k-1) of its rows), so a mostly empty tail does not cost a full micro-batch.
-    tail_shapes: int = 3
+    # Micro-batch shapes a pass may take (trainer/packing.py; 1: always the full one; k: the full one and 1/2 ...
+    # 1/2^(k-1) of its rows, each built before the first step), so a pass's padding is a few % of its tokens.
+    tail_shapes: int = 4
     clip_ratio: float = 0.2  # PPO's clip range (both sides, unless clip_ratio_low / high)
     clip_ratio_low: float | None = None  # the range below 1 (None: clip_ratio)
     clip_ratio_high: float | None = None  # the range above 1 (None: clip_ratio; DAPO's clip-higher uses 0.28)
@@ -357,6 +361,13 @@ class TrainerConfig:
     # The bytes a device may hold, for the memory check before the first step (trainer/memory_check.py).
     # None: what XLA may use on the device (a CPU says nothing: no check there); set it to check on a CPU.
     device_memory_limit_bytes: int | None = None
+    # Compile the update and log-prob passes at every micro-batch shape a step can meet (trainer/warm_programs.py)
+    # while the worker starts, so that no later step compiles. None: on where the devices are not the CPU. Off by
+    # default until a GPU run has measured it (benchmarks/sessions/mfu_issue40.sh; none yet, 2026-11-27).
+    compile_ahead: bool | None = False
+    # XLA's GPU options that overlap FSDP's collectives with compute (jaxrl_llm/xla_flags.py), added to XLA_FLAGS
+    # before the backend starts; a flag XLA_FLAGS sets already keeps its value. No effect off a GPU.
+    xla_gpu_overlap: bool = False
     dump_batches: bool = False  # save every step's training batch under <run_dir>/batches
     replay_batches_from: str | None = None  # a dir of dumped batches to train on instead of generating
     peak_tflops: float | None = None  # per device, for perf/mfu (default: a table by device kind)

@@ -59,6 +59,11 @@ class RolloutConfig:
     # Token budget of one micro-batch a device in the old/reference log-prob (and value) passes; None:
     # twice actor.ppo_max_token_len_per_gpu (a forward pass keeps no activations for a backward one).
     log_prob_max_token_len_per_gpu: int | None = None
+    # The old and reference log-prob passes as one program a micro-batch (both models' forward passes: one placing
+    # of the micro-batch, and the reference's weight gathers free to overlap the actor's compute); the memory
+    # check turns it off where only the two programs apart fit. Off by default until a GPU run has measured it
+    # (benchmarks/sessions/mfu_issue40.sh; none yet, 2026-11-27).
+    fuse_log_prob_passes: bool = False
     multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)  # rollout.multi_turn.*
     # async_training: the rollout's own devices (veRL's keys), apart from the trainer's; and its tensor-parallel
     # size there (veRL's tensor_model_parallel_size)

@@ -388,6 +388,7 @@ class RLTrainer:
             metrics["actor/entropy_rollout"] = float(np.sum(out["entropy"]) / max(batch.response_mask.sum(), 1))
         compiled = worker.call("compile_stats")  # a program compiled after the first step shows here
         metrics.update(compile_watch.delta(compiled_before, compiled))
+        metrics.update(worker.call("pack_metrics"))
         metrics["perf/engine_programs_compiled"] = compiled["engine_programs_compiled"]
         # the epoch of the batch trained on (the iterator's is the next batch's: one epoch on at an epoch's end,
         # and further on in the async modes, which draw ahead)
@@ -420,7 +421,8 @@ class RLTrainer:
                                       max_prompt_length=run.data.max_prompt_length, use_critic=run.algo.uses_critic))
         metrics.update(timer.metrics(float(np.sum(batch.prompt_lengths + batch.response_lengths))))
         metrics.update(M.perf_metrics(timer.times, batch, self.model_cfg, ppo_epochs=run.actor.ppo_epochs,
-                                      n_devices=self.n_devices, peak=self.peak))
+                                      n_devices=self.n_devices, peak=self.peak,
+                                      log_prob_passes=self.needs_old + self.needs_ref + run.algo.uses_critic))
         metrics["training/global_step"] = step + 1
         metrics["training/epoch"] = self.iterator.epoch if epoch is None else epoch
         return metrics

@@ -2,10 +2,12 @@
 
 Saving the matmul outputs of every layer (remat "dots") skips the recomputed forward in the backward
 pass (about 8·N → 6·N FLOPs a token), but the saved outputs grow with the micro-batch's tokens; "full"
-keeps only each layer's input. `choose_remat` offers "dots" when the step's estimated peak fits the device
-with a margin, else "full". The estimate is arithmetic and fast; the memory check before the first step
-(trainer/memory_check.py) compiles the offered choice and trusts XLA's own analysis of it, so "full" here
-only spares it compiling a "dots" that cannot fit. The estimate counts, per device:
+keeps only each layer's input, and the policies between keep chosen activations (`models/remat.py`).
+`choose_remat` offers the first policy of the ladder (the least recompute first) whose step's estimated peak
+fits the device with a margin. The estimate is arithmetic and fast; the memory check before the first step
+(trainer/memory_check.py) compiles the offered choice, and the ladder below it where that does not fit, and
+trusts XLA's own analysis, so the estimate only spares it compiling policies that cannot fit. It counts, per
+device:
 
   actor      fp32 params, Adam's two moments and the gradient accumulator (4 x 4 bytes a param), sharded;
              under LoRA that for the adapters alone, plus the frozen base: 2 bytes a param, or with
@@ -16,12 +18,13 @@ only spares it compiling a "dots" that cannot fit. The estimate counts, per devi
   engine     the sampler's compute-dtype weights, split over `tensor` only (none with rollout.free_cache_engine:
              the worker drops them for the update and the sync rebuilds them); an 8-bit base is dequantized
              into the engine's copy, which stays in the compute dtype
-  saved      per token and layer: the layer input ("full"), or every matmul output and the attention's
-             output and statistics ("dots"; a Qwen3.5's gated q_proj is twice as wide, and its Gated DeltaNet
-             layers keep their five projections' outputs and the delta rule's); under LoRA "dots" also keeps
-             each adapter's two matmul outputs, x·A [r] and (x·A)·B [out]: at 7B with rank 32 on every linear
-             layer that is 2.8 MB a token, as much again as the base's own matmuls (issue 32: left out, it made
-             `auto` take "dots" for the 7B LoRA step on one H100, whose update then asked XLA for 84.8 GiB)
+  saved      per token and layer: the layer input ("full"), chosen activations (the policies between,
+             `models/remat.py`), or every matmul output and the attention's output and statistics ("dots"; a
+             Qwen3.5's gated q_proj is twice as wide, and its Gated DeltaNet layers keep their five projections'
+             outputs and the delta rule's); under LoRA "dots" also keeps each adapter's two matmul outputs, x·A
+             [r] and (x·A)·B [out]: at 7B with rank 32 on every linear layer that is 2.8 MB a token, as much
+             again as the base's own matmuls (issue 32: left out, it made `auto` take "dots" for the 7B LoRA step
+             on one H100, whose update then asked XLA for 84.8 GiB)
   working    one layer's recomputed activations and the vocab-chunked log-prob's [tokens, chunk] logits (and a
              Gated DeltaNet layer's fp32 [chunk] decay, pair and solve matrices a value head)
 """
@@ -36,6 +39,7 @@ from jaxrl_llm.models import quant
 from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.models.gated_delta import CHUNK
 from jaxrl_llm.models.lora import adapter_shapes, num_adapter_params
+from jaxrl_llm.models.remat import AUTO_LADDER, saved_values_per_layer
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +55,17 @@ def saved_bytes_per_token(cfg: Qwen2Config, remat: str, act_bytes: int = 2, lora
     """Activations kept for the backward pass, per token, over all layers. `lora_outputs`: the adapters'
     matmul outputs a token has over all layers (`lora_outputs_per_token`), which "dots" keeps too."""
     d, f, layers = cfg.hidden_size, cfg.active_intermediate_size, cfg.num_hidden_layers
-    if remat == "full":
-        return d * layers * act_bytes
+    n_linear = _linear_layers(cfg)
+    if remat not in ("dots", "none"):  # the named policies (models/remat.py) keep tagged activations
+        # of the attention layers; a Gated DeltaNet layer keeps its input (and the MLP's gate under mlp_gate)
+        linear = d + (f if remat == "mlp_gate" else 0)
+        return ((layers - n_linear) * saved_values_per_layer(cfg, remat) + n_linear * linear) * act_bytes
     # "dots" (and "none", which keeps at least as much): the matmul outputs, the attention's output and its
     # fp32 softmax statistics (one a head); a Gated DeltaNet's projections and the delta rule's output
     mlp = 2 * f + d
     q_out = cfg.q_dim * (2 if cfg.is_hybrid else 1)  # Qwen3.5's q_proj makes the output gate too
     attention = q_out + 2 * cfg.kv_dim + d + cfg.q_dim + 2 * cfg.num_attention_heads
     linear = cfg.linear_conv_dim + 2 * cfg.linear_value_dim + 2 * cfg.linear_num_value_heads + d
-    n_linear = _linear_layers(cfg)
     per_token = (layers - n_linear) * (attention + mlp) + n_linear * (linear + mlp)
     return (per_token + lora_outputs) * act_bytes
 
@@ -121,22 +127,27 @@ def choose_remat(cfg: Qwen2Config, *, tokens_per_device: int, param_shards: int,
                  ref: bool = True, critic: bool = False, engine: bool = True,
                  device_bytes: int | None = None, lora_params: int = 0, base_quantization: str = "none",
                  lora_outputs: int = 0) -> str:
-    """"dots" when the step fits the device with it, else "full" (also when the device size is unknown)."""
+    """The first policy of `AUTO_LADDER` (the least recompute first) whose estimated step fits the device, else
+    "full" (also when the device size is unknown)."""
     if device_bytes is None:
         return "full"
-    need = estimate_step_bytes(cfg, remat="dots", tokens_per_device=tokens_per_device, param_shards=param_shards,
-                               tensor=tensor, ref=ref, critic=critic, engine=engine, lora_params=lora_params,
-                               base_quantization=base_quantization, lora_outputs=lora_outputs)
-    choice = "dots" if need <= MARGIN * device_bytes else "full"
-    log.info("model.remat='auto': %s (dots would need ~%.1f GB of the device's %.1f GB)", choice, need / 1e9,
-             device_bytes / 1e9)
-    return choice
+    need = {}
+    for remat in AUTO_LADDER:
+        need[remat] = estimate_step_bytes(cfg, remat=remat, tokens_per_device=tokens_per_device,
+                                          param_shards=param_shards, tensor=tensor, ref=ref, critic=critic,
+                                          engine=engine, lora_params=lora_params,
+                                          base_quantization=base_quantization, lora_outputs=lora_outputs)
+        if need[remat] <= MARGIN * device_bytes:
+            break
+    log.info("model.remat='auto': %s first (%s of the device's %.1f GB)", remat,
+             ", ".join(f"{k} ~{v / 1e9:.1f} GB" for k, v in need.items()), device_bytes / 1e9)
+    return remat
 
 
 def first_pass_remat(run, cfg: Qwen2Config, mesh_shape, lora, device_bytes: int | None) -> str:
     """`choose_remat` for a run on `mesh_shape` (`lora`: its adapters' spec, or None): the first pass of
-    `model.remat='auto'`. "full" here spares the memory check compiling a "dots" update that cannot fit;
-    "dots" is only a candidate, which the check compiles and confirms (trainer/memory_check.py)."""
+    `model.remat='auto'`, where the memory check starts down the ladder. The policies above it are not compiled;
+    it is only a candidate, which the check compiles and confirms (trainer/memory_check.py)."""
     tokens = max(1, run.actor.ppo_max_token_len_per_gpu // run.pack_length) * run.pack_length
     return choose_remat(cfg, tokens_per_device=tokens, param_shards=mesh_shape["fsdp"] * mesh_shape["tensor"],
                         tensor=mesh_shape["tensor"], critic=run.algo.uses_critic,

@@ -8,7 +8,8 @@ resident, its new outputs and its temporaries (`ProgramMemory`). The programs (t
 
   actor update, critic update    the grad step on one full micro-batch (actor.ppo_max_token_len_per_gpu)
   actor / critic optimizer       AdamW on the trained leaves, in place
-  old / reference log-prob, critic values   the forward passes on one micro-batch of the log-prob budget
+  old / reference log-prob, critic values   the forward passes on one micro-batch of the log-prob budget (the
+                                            old and reference ones as one program, where fused)
   weight sync: merge, convert    the merged adapters, then the engine's layout (the JAX engine)
   generation                     the sampler's programs, as the engine reports them (`check_engine`)
 
@@ -16,11 +17,14 @@ Resident: the trainers' params, optimizer states and frozen bases, the reference
 unless offloaded), and the engine's weights and KV pool, each except where the run releases it
 (`rollout.free_cache_engine` drops both for the updates; a sync drops the old weights first).
 
-Automatic settings: `model.remat='auto'` takes "dots" where its update fits in `AUTO_SHARE` of the limit
-(the arithmetic first pass, trainer/memory.py, skips a "dots" that cannot fit without compiling it), else
-"full"; `rollout.log_prob_max_token_len_per_gpu = None` takes twice the update's budget where that pass
-fits, else the update's. A program that fits no choice in `FIT_SHARE` of the limit stops the run before
-any work, with one DeviceMemoryError naming the program, its sizes and the keys that shrink it.
+Automatic settings: `model.remat='auto'` takes the first policy of `AUTO_LADDER` (models/remat.py: "dots",
+"mlp_gate", "attention_block", "attention", "full": the least recompute first) whose update fits in
+`AUTO_SHARE` of the limit (the arithmetic first pass, trainer/memory.py, skips without compiling them the
+policies that cannot fit), the last one ("full") where none does; `rollout.log_prob_max_token_len_per_gpu =
+None` takes twice the update's budget where that pass fits, else the update's; `rollout.fuse_log_prob_passes`
+is turned off where only the two passes apart fit. A program that fits no choice in `FIT_SHARE` of the limit
+stops the run before any work, with one DeviceMemoryError naming the program, its sizes and the keys that
+shrink it.
 
 The limit is `train.device_memory_limit_bytes`, else what XLA may use on the device (`bytes_limit`). A CPU
 reports none, so CPU runs skip the check unless that key sets one (the tests do); XLA:CPU's analysis
@@ -43,6 +47,7 @@ import time
 
 from jaxrl_llm import distributed
 from jaxrl_llm.errors import DeviceMemoryError
+from jaxrl_llm.models.remat import AUTO_LADDER
 from jaxrl_llm.trainer import memory
 from jaxrl_llm.trainer.memory_programs import ProgramMemory, StepPrograms, size
 
@@ -115,8 +120,9 @@ def plan(run, cfg, build, *, auto_remat: bool = True) -> MemoryPlan:
     auto_remat = auto_remat and run.model.remat == "auto"
     w = build(run, cfg)
     remats = [cfg.remat]
-    if auto_remat and memory.first_pass_remat(run, cfg, w.mesh.shape, w.lora, limit) == "dots":
-        remats = ["dots", "full"]
+    if auto_remat:  # down the ladder from the estimate's first fit (models/remat.py)
+        first = memory.first_pass_remat(run, cfg, w.mesh.shape, w.lora, limit)
+        remats = list(AUTO_LADDER[AUTO_LADDER.index(first):])
     built = {cfg.remat: StepPrograms(w, limit)}  # by remat: a candidate's abstract worker is built once
     progs = built[cfg.remat]
     # What stays resident alone (exact from the states' shapes): refused here without compiling anything.
@@ -142,16 +148,22 @@ def plan(run, cfg, build, *, auto_remat: bool = True) -> MemoryPlan:
     for p in progs.optimizer_and_sync():
         require(p, limit, progs.fixes("sync" if p.name.startswith("weight sync") else "optimizer"))
         out.programs.append(p)
-    budgets = progs.logprob_budgets()
-    for budget in budgets:  # the first whose passes fit (the last one is checked below)
-        forward = progs.forward(budget)
-        if budget == budgets[-1] or fits(forward, AUTO_SHARE * limit):
+    # The forward passes: the largest budget first, and at each the old and reference passes fused first.
+    choices = [(b, f) for b in progs.logprob_budgets() for f in progs.fusions()]
+    for budget, fused in choices:  # the first whose passes fit (the last one is checked below)
+        forward = progs.forward(budget, fused)
+        if (budget, fused) == choices[-1] or fits(forward, AUTO_SHARE * limit):
             break
-        log.info("rollout.log_prob_max_token_len_per_gpu = None: %d tokens do not fit in %.0f%% of %.1f GB (%s)",
-                 budget, 100 * AUTO_SHARE, limit / GB, max(forward, key=lambda p: p.need).describe())
-    if run.rollout.log_prob_max_token_len_per_gpu is None and budget != budgets[0]:
-        run = out.run = dataclasses.replace(run, rollout=dataclasses.replace(
-            run.rollout, log_prob_max_token_len_per_gpu=budget))
+        log.info("log-prob passes at %d tokens a device%s do not fit in %.0f%% of %.1f GB (%s)", budget,
+                 " in one program" if fused else "", 100 * AUTO_SHARE, limit / GB,
+                 max(forward, key=lambda p: p.need).describe())
+    rollout = run.rollout
+    if rollout.log_prob_max_token_len_per_gpu is None and budget != choices[0][0]:
+        rollout = dataclasses.replace(rollout, log_prob_max_token_len_per_gpu=budget)
+    if rollout.fuse_log_prob_passes and not fused:
+        rollout = dataclasses.replace(rollout, fuse_log_prob_passes=False)
+    if rollout is not run.rollout:
+        run = out.run = dataclasses.replace(run, rollout=rollout)
     for p in forward:
         require(p, limit, progs.fixes("forward", tokens=budget))
     out.programs += forward

@@ -12,14 +12,9 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jaxrl_llm import sharding
-from jaxrl_llm.algorithms import LossNorm
 from jaxrl_llm.rollout.engine_weights import EngineWeights
-from jaxrl_llm.trainer import router_replay
-from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch
+from jaxrl_llm.trainer.warm_programs import forward_programs, update_programs
 
 log = logging.getLogger(__name__)
 
@@ -148,49 +143,15 @@ class StepPrograms:
             held["KV pool"] = self.kv_pool
         return held
 
-    # ---- inputs ----------------------------------------------------------------------------------
-    def micro_batch(self, pack: PackShape, fields, *, update: bool) -> tuple[dict, dict]:
-        """A micro-batch at `pack`'s full shape, as `_put` places it: (host arrays, ShapeDtypeStructs)."""
-        w, tr = self.w, pack.resp_len
-        batch = TrainBatch(prompt_ids=[np.ones(1, np.int32)], responses=np.zeros((1, tr), np.int32),
-                           response_mask=np.ones((1, tr), np.float32), group_ids=np.zeros(1, np.int32),
-                           fields={k: np.zeros((1, tr), np.float32) for k in fields})
-        mode = self.run.router_replay.mode
-        if w.cfg.is_moe and (mode == "R3" or (mode == "R2" and update)):  # the routing the passes replay
-            k, layers = w.cfg.num_experts_per_tok, len(w.cfg.sparse_layers)  # L_moe: every stack's sparse layers
-            width = self.run.data.max_prompt_length + tr
-            batch.fields[router_replay.FIELD] = np.zeros((1, width, layers, k), np.int16)
-        host = build_micro_batch(batch, [(0, 0, 0)], pack, fields=tuple(fields), pad_id=0)
-        host = {k: v for k, v in host.items() if k not in ("seq_ids", "seq_start")}
-        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(w.mesh, v.ndim, v.shape))
-                    for k, v in host.items()}
-        return host, abstract
-
     # ---- the programs ----------------------------------------------------------------------------
+    def _measure(self, program, held: dict) -> ProgramMemory:
+        return compiled_memory(program.name, program.jitted, program.args, held=held, transient=program.transient,
+                               detail=program.detail)
+
     def updates(self) -> list:
         """The grad steps of the actor (and the critic) on one full micro-batch."""
-        w = self.w
-        batch_fields = {"rollout_log_probs"}
-        if w.rc is not None and not w.bypass:  # decoupled rollout correction
-            batch_fields |= {"loss_mask", "rollout_is_weights"}
-        out = [self._grad("actor update", w.actor, w.actor_grad, w.actor_metrics0, w.actor_zeros,
-                          w.actor_update_fields(batch_fields))]
-        if w.critic is not None:
-            out.append(self._grad("critic update", w.critic, w.critic_grad, w.critic_metrics0, w.critic_zeros,
-                                  ["values", "returns"]))
-        return out
-
-    def _grad(self, name, role, grad_fn, metrics0, zeros, fields):
-        pack = self.w.pack
-        host, mb = self.micro_batch(pack, fields, update=True)
-        params = role.state["params"]
-        with jax.set_mesh(self.w.mesh):  # the loss's scalars as the update makes them, on the mesh
-            norm = LossNorm(jnp.float32(1.0), jnp.float32(1.0), jnp.float32(1.0))
-            grads = jax.eval_shape(zeros, params)
-            metrics = metrics0(role.params(params), host, norm)
-            return compiled_memory(name, grad_fn, (params, role.frozen, grads, metrics, mb, norm),
-                                   held=self.held("update"), transient=(grads, metrics, mb),
-                                   detail=f"remat '{role.cfg.remat}', {pack.rows} rows of {pack.length} tokens")
+        with jax.set_mesh(self.w.mesh):
+            return [self._measure(p, self.held("update")) for p in update_programs(self.w, self.w.pack)]
 
     def optimizer_and_sync(self) -> list:
         """The optimizer steps, then the weight sync's programs."""
@@ -223,25 +184,19 @@ class StepPrograms:
             return [run.rollout.log_prob_max_token_len_per_gpu]
         return [2 * run.actor.ppo_max_token_len_per_gpu, run.actor.ppo_max_token_len_per_gpu]
 
-    def forward(self, budget: int) -> list:
-        """The forward passes the step runs, on one micro-batch of `budget` tokens a device."""
-        w, out = self.w, []
-        pack = w.pack_shape(budget)
-        _, mb = self.micro_batch(pack, (), update=False)
-        held, detail = self.held("forward"), f"{pack.rows} rows of {pack.length} tokens"
-        with jax.set_mesh(w.mesh):
-            if w.needs_old_log_prob():
-                out.append(compiled_memory("old log-prob pass", w.logprob_fn, (w.actor.params(), mb), held=held,
-                                           transient=mb, detail=detail))
-            if w.needs_ref:
-                offloaded = w.lora is None and self.run.trainer.ref_offload  # brought back for the pass
-                out.append(compiled_memory("reference log-prob pass", w.ref_logprob_fn, (w.ref_params, mb),
-                                           held=held, transient=(mb, w.ref_params if offloaded else ()),
-                                           detail=detail))
-            if w.critic is not None:
-                out.append(compiled_memory("critic values pass", w.value_fn, (w.critic.params(), mb), held=held,
-                                           transient=mb, detail=detail))
-        return out
+    def fusions(self) -> list[bool]:
+        """Whether the old and reference passes run as one program, in the order to try: fused first where the
+        run asks for it (rollout.fuse_log_prob_passes) and both passes run."""
+        w = self.w
+        both = w.needs_old_log_prob() and w.needs_ref
+        return [True, False] if both and self.run.rollout.fuse_log_prob_passes else [False]
+
+    def forward(self, budget: int, fused: bool = False) -> list:
+        """The forward passes the step runs, on one micro-batch of `budget` tokens a device; `fused`: the old
+        and reference passes as one program."""
+        with jax.set_mesh(self.w.mesh):
+            return [self._measure(p, self.held("forward"))
+                    for p in forward_programs(self.w, self.w.pack_shape(budget), fused)]
 
     # ---- what to change ---------------------------------------------------------------------------
     def fixes(self, phase: str, program=None, allowed: float | None = None, tokens: int | None = None) -> list[str]:

@@ -111,13 +111,15 @@ def data_metrics(batch, *, max_response_length: int, max_prompt_length: int, use
 
 
 def perf_metrics(timing: dict[str, float], batch, cfg: Qwen2Config, *, ppo_epochs: int, n_devices: int,
-                 peak: float) -> dict[str, float]:
+                 peak: float, log_prob_passes: int = 0) -> dict[str, float]:
     """Throughput and MFU.
 
     `perf/throughput` is tokens (prompt + response) per second per device over the step time minus
     validation and checkpoint time; veRL divides by the whole step time, which understates it on
     steps that validate or save. `perf/mfu/actor` is veRL's: update FLOPs x ppo_epochs over the
-    update_actor time, per device, against `peak` TFLOP/s.
+    update_actor time, per device, against `peak` TFLOP/s. `perf/mfu/log_prob` is the same for the
+    `log_prob_passes` forward passes (a third of veRL's FLOPs each: old, reference, values) over the
+    log_probs time, which the reward's scoring overlaps (a lower bound where the scoring is the longer).
     """
     seqlens = batch.prompt_lengths + batch.response_lengths
     tokens = float(np.sum(seqlens))
@@ -128,6 +130,9 @@ def perf_metrics(timing: dict[str, float], batch, cfg: Qwen2Config, *, ppo_epoch
     if timing.get("update_actor"):
         flops = veRL_flops(cfg, seqlens) * ppo_epochs
         out["perf/mfu/actor"] = flops / timing["update_actor"] / 1e12 / peak / n_devices
+    if timing.get("log_probs") and log_prob_passes:
+        flops = veRL_flops(cfg, seqlens) / 3 * log_prob_passes
+        out["perf/mfu/log_prob"] = flops / timing["log_probs"] / 1e12 / peak / n_devices
     out["perf/max_memory_allocated_gb"] = max_memory_gb()
     return out
 

@@ -42,7 +42,9 @@ def run_process(run, operative_config: str, spec) -> dict:
     from jaxrl_llm import distributed
     from jaxrl_llm.trainer import placement
     from jaxrl_llm.trainer.loop import RLTrainer
+    from jaxrl_llm.xla_flags import apply_gpu_overlap
 
+    apply_gpu_overlap(run.trainer.xla_gpu_overlap)  # before the backend starts (it reads XLA_FLAGS once)
     distributed.initialize(spec, heartbeat_timeout_s=run.trainer.heartbeat_timeout_s)
     enable_compilation_cache(run.trainer.compilation_cache_dir)
     if placement.enter_side(run) == placement.ROLLOUT:  # an async run's rollout process: it serves the trainer

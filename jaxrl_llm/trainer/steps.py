@@ -105,6 +105,22 @@ def make_logprob_fn(graphdef, *, temperature: float, chunk_size: int, with_entro
     return jax.jit(fn)
 
 
+def make_old_and_ref_fn(actor_graphdef, ref_graphdef, *, temperature: float, chunk_size: int,
+                        with_sum_pi_squared: bool = False, with_routing: bool = False):
+    """(actor_params, ref_params, mb) -> the old pass's outputs (`make_logprob_fn`'s, with the entropy) and
+    "ref_log_prob" [S, Tr]: both models' forward passes over one micro-batch in one program, each the same
+    computation as its own pass."""
+
+    def fn(actor_params, ref_params, mb):
+        out = token_logprobs(nnx.merge(actor_graphdef, actor_params), mb, temperature=temperature,
+                             chunk_size=chunk_size, with_entropy=True, with_sum_pi_squared=with_sum_pi_squared,
+                             with_routing=with_routing)
+        ref = token_logprobs(nnx.merge(ref_graphdef, ref_params), mb, temperature=temperature, chunk_size=chunk_size)
+        return {**out, "ref_log_prob": ref["log_prob"]}
+
+    return jax.jit(fn)
+
+
 def make_value_fn(graphdef):
     """(params, mb) -> {"values": [S, Tr]}."""
     return jax.jit(lambda params, mb: {"values": values(nnx.merge(graphdef, params), mb)})

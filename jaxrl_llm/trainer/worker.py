@@ -28,18 +28,12 @@ from jaxrl_llm.rollout.weight_sync import WeightSync
 from jaxrl_llm.trainer import memory_check, router_replay, steps
 from jaxrl_llm.trainer.algo_setup import (
     adv_inputs,
+    exactly_on_policy,
     make_adv_fn,
     policy_loss_config,
     rollout_correction_config,
 )
-from jaxrl_llm.trainer.batch import (
-    PackShape,
-    TrainBatch,
-    build_micro_batch,
-    plan_micro_batches,
-    split_mini_batches,
-    tail_shape,
-)
+from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch, split_mini_batches
 from jaxrl_llm.trainer.config import RunConfig
 from jaxrl_llm.trainer.model_load import (
     load_actor_params,
@@ -50,8 +44,10 @@ from jaxrl_llm.trainer.model_load import (
 )
 from jaxrl_llm.trainer.model_state import ModelState, abstract_params
 from jaxrl_llm.trainer.optim import make_optimizer
+from jaxrl_llm.trainer.packing import padded_tokens, plan_packing, shape_ladder
 from jaxrl_llm.trainer.placement import rollout_mesh, split_devices
 from jaxrl_llm.trainer.rollout_remote import RemoteEngine
+from jaxrl_llm.trainer.warm_programs import CompileAhead
 from jaxrl_llm.trainer.worker_checkpoints import WorkerCheckpoints
 from jaxrl_llm.trainer.worker_weights import WorkerWeights
 
@@ -118,6 +114,10 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
             self.critic_gd, self.critic_sh = self.critic.graphdef, self.critic.param_sh
 
         self._build_steps()
+        warm = None
+        ahead = run.trainer.compile_ahead
+        if not abstract and (jax.devices()[0].platform != "cpu" if ahead is None else ahead):
+            warm = CompileAhead(self)  # on threads, while the engine is built
         self.engine = None
         self._weight_sync: WeightSync | None = None  # the sync to the rollout's own devices (async modes)
         if run.rollout.engine == "jax" and not abstract and self._remote_rollout():
@@ -138,6 +138,10 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
                                           max_prompt_length=engine_prompt_length(run),
                                           max_model_len=run.rollout.max_model_len or run.max_model_len)
             self.memory.check_engine(self.engine)  # the sampler's programs, where the engine reports them
+        if warm is not None:
+            count, seconds = warm.wait()
+            log.info("compiled the update and log-prob passes at every shape of their ladders ahead: %d programs "
+                     "in %.1f s", count, seconds)
 
     def _remote_rollout(self) -> bool:
         return self.rollout_devices is not None and any(d.process_index != jax.process_index()
@@ -174,6 +178,10 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         # Forward-only passes keep no activations for a backward pass: larger micro-batches, fewer of them.
         self.fwd_pack = self.pack_shape(run.rollout.log_prob_max_token_len_per_gpu
                                          or 2 * run.actor.ppo_max_token_len_per_gpu)
+        # Every micro-batch shape a pass can meet (trainer/packing.py), and the tokens its packing filled.
+        self.pack_ladder = shape_ladder(self.pack, self.dp, run.actor.tail_shapes)
+        self.fwd_ladder = shape_ladder(self.fwd_pack, self.dp, run.actor.tail_shapes)
+        self._fill: dict[str, list[int]] = {}
         self.estimator = get_adv_estimator(run.algo.adv_estimator)
         self.rc = rollout_correction_config(run)
         # Async training on stale samples: the sampler's log-probs are the behaviour policy's; without the
@@ -191,13 +199,17 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         self.ref_logprob_fn = steps.make_logprob_fn(self.actor.base_graphdef, temperature=temp, chunk_size=chunk)
         self.plain_logprob_fn = (self.ref_logprob_fn if self.lora is None else
                                  steps.make_logprob_fn(self.actor_gd, temperature=temp, chunk_size=chunk))
-        # A step that is one mini-batch and one epoch is exactly on-policy (veRL's shortcut): the ratio is
-        # 1 by construction and the old-log-prob pass is skipped, unless something else reads the old
-        # log-probs (the KL in the reward, decoupled rollout correction, the optimal token baseline).
-        # Bypass mode uses the sampler's log-probs as the old ones and never runs the pass.
-        self.on_policy = (run.actor.ppo_epochs == 1 and run.actor.ppo_mini_batch_size == run.data.train_batch_size
-                          and not run.algo.use_kl_in_reward and self.rc is None and not stale
-                          and not {"old_log_probs", "sum_pi_squared"} & set(self.estimator.inputs))
+        # Both passes in one program a micro-batch where both run (rollout.fuse_log_prob_passes, kept by the
+        # memory check where it fits).
+        self.old_ref_fn = steps.make_old_and_ref_fn(self.actor_gd, self.actor.base_graphdef, temperature=temp,
+                                                    chunk_size=chunk, with_sum_pi_squared=self.with_sum_pi_squared,
+                                                    with_routing=self.record_routing)
+        # Exactly on-policy (veRL's shortcut): the old-log-prob pass is skipped. Bypass mode uses the sampler's
+        # log-probs as the old ones and never runs the pass either.
+        why = exactly_on_policy(run, self.estimator, self.rc)
+        self.on_policy = why is not None
+        if why is not None and self.memory is not None:  # the real worker, not the memory check's
+            log.info("old-log-prob pass skipped every step: %s", why)
         self.policy_loss = policy_loss_config(run, self.rc)
         self.loss_settings = steps.ActorLossSettings(
             temperature=temp, policy=self.policy_loss, entropy_coeff=run.actor.entropy_coeff,
@@ -237,12 +249,27 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
             out[k] = distributed.put(v, sharding.batch_sharding(self.mesh, v.ndim, v.shape))
         return out
 
-    def _micro_batches(self, batch: TrainBatch, fields, pack: PackShape):
+    def _micro_batches(self, batch: TrainBatch, fields, ladder: tuple[PackShape, ...], name: str):
+        """`batch` packed into micro-batches of `ladder`'s shapes, placed on the mesh: (host-only fields,
+        device arrays) each. `name`: the pass its fill counts to (`pack_metrics`)."""
         lengths = batch.prompt_lengths + batch.response_lengths
-        for placements in plan_micro_batches(lengths, pack):
-            shape = tail_shape(placements, pack, self.dp, self.run.actor.tail_shapes)
+        plans = plan_packing(lengths, ladder, self.dp)
+        fill = self._fill.setdefault(name, [0, 0])
+        fill[0] += int(lengths.sum())
+        fill[1] += padded_tokens(plans)
+        for shape, placements in plans:
             mb = build_micro_batch(batch, placements, shape, fields=fields, pad_id=self.cfg.pad_token_id or 0)
             yield {k: mb[k] for k in HOST_ONLY}, self._put(mb)
+
+    def pack_metrics(self) -> dict[str, float]:
+        """`perf/pack_fill`: the real tokens over the padded tokens of every micro-batch packed since the last
+        call, and `perf/pack_fill/<pass>` for the update and the log-prob passes apart."""
+        fill, self._fill = self._fill, {}
+        out = {f"perf/pack_fill/{k}": real / padded for k, (real, padded) in fill.items() if padded}
+        padded = sum(p for _, p in fill.values())
+        if padded:
+            out["perf/pack_fill"] = sum(r for r, _ in fill.values()) / padded
+        return out
 
     # ---- forward passes: old and reference log-probs, values ------------------------------------
     def start_forward_passes(self, batch: TrainBatch, *, old: bool = False, ref: bool = False,
@@ -253,24 +280,28 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         Nothing is fetched: the device computes while the caller does host work (the driver scores
         rewards here), and `finish_forward_passes` collects the results.
         """
-        passes = []
-        if old:
-            names = {"log_prob": "old_log_prob", "entropy": "entropy"}
-            if self.with_sum_pi_squared:
-                names["sum_pi_squared"] = "sum_pi_squared"
-            if self.record_routing:
-                names["routing"] = router_replay.FIELD
-            passes.append((self.logprob_fn, self.actor.params(), names))
-        if ref:
-            passes.append((self.ref_logprob_fn, self._ref_on_device(), {"log_prob": "ref_log_prob"}))
+        passes = []  # (program, its params, {its output: the batch field})
+        old_names = {"log_prob": "old_log_prob", "entropy": "entropy"}
+        if self.with_sum_pi_squared:
+            old_names["sum_pi_squared"] = "sum_pi_squared"
+        if self.record_routing:
+            old_names["routing"] = router_replay.FIELD
+        if old and ref and self.run.rollout.fuse_log_prob_passes:
+            passes.append((self.old_ref_fn, (self.actor.params(), self._ref_on_device()),
+                           {**old_names, "ref_log_prob": "ref_log_prob"}))
+        else:
+            if old:
+                passes.append((self.logprob_fn, (self.actor.params(),), old_names))
+            if ref:
+                passes.append((self.ref_logprob_fn, (self._ref_on_device(),), {"log_prob": "ref_log_prob"}))
         if values:
-            passes.append((self.value_fn, self.critic.params(), {"values": "values"}))
+            passes.append((self.value_fn, (self.critic.params(),), {"values": "values"}))
         pending = []
         with jax.set_mesh(self.mesh):
             # Dispatch every micro-batch before fetching any result, so the host packs the next
             # micro-batch while the device computes.
-            for host, mb in self._micro_batches(batch, (), self.fwd_pack):
-                pending.append((host, [(names, fn(params, mb)) for fn, params, names in passes]))
+            for host, mb in self._micro_batches(batch, (), self.fwd_ladder, "log_prob"):
+                pending.append((host, [(names, fn(*params, mb)) for fn, params, names in passes]))
         self._pending = (batch, pending)
 
     def forward_passes_ready(self) -> bool:
@@ -361,7 +392,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
                                     num_seqs=jnp.float32(max((mask.sum(-1) > 0).sum(), 1)),
                                     max_len=jnp.float32(run.actor.loss_scale_factor or run.data.max_response_length))
                     grads = metrics = None
-                    for _, mb in self._micro_batches(sub, fields, self.pack):
+                    for _, mb in self._micro_batches(sub, fields, self.pack_ladder, "update"):
                         if grads is None:
                             grads = zeros(state["params"])
                             metrics = metrics0(role.params(state["params"]), mb, norm)
@@ -407,7 +438,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         """clip_cov / kl_cov: the mini-batch's selected tokens, from the current policy's log-probs (one
         forward pass over the mini-batch), so every micro-batch applies the mini-batch's selection."""
         logp = np.zeros(sub.responses.shape, np.float32)
-        for host, mb in self._micro_batches(sub, (), self.fwd_pack):
+        for host, mb in self._micro_batches(sub, (), self.fwd_ladder, "log_prob"):
             seq_ids = host["seq_ids"]
             used = seq_ids >= 0
             # Log-probs alone (no entropy or Σπ²), with the current params.

@@ -215,7 +215,7 @@ def test_train_batch_keeps_tool_turns_in_the_sequence_and_out_of_the_loss():
     the length metrics count sampled tokens only."""
     from jaxrl_llm.agent.loop import AgentBatch
     from jaxrl_llm.trainer import metrics as M
-    from jaxrl_llm.trainer.batch import PackShape, build_micro_batch, plan_micro_batches
+    from jaxrl_llm.trainer.batch import PackShape, build_micro_batch
     from jaxrl_llm.trainer.loop import build_train_batch
 
     tokens = np.asarray([[5, 6, 7, 90, 91, 8, 9], [5, 6, 0, 0, 0, 0, 0]], np.int32)
@@ -232,7 +232,7 @@ def test_train_batch_keeps_tool_turns_in_the_sequence_and_out_of_the_loss():
     assert batch.fields["rollout_log_probs"][0, 3:5].tolist() == [0, 0]
     assert batch.fields["tool_rewards"].tolist() == [0.5, 0.0] and batch.fields["num_turns"].tolist() == [3, 1]
     shape = PackShape(rows=1, length=16, max_seqs=2, resp_len=8)
-    mb = build_micro_batch(batch, plan_micro_batches(batch.prompt_lengths + batch.response_lengths, shape)[0], shape)
+    mb = build_micro_batch(batch, [(0, 0, 0), (1, 0, 10)], shape)  # both sequences end to end in one row
     assert mb["input_ids"][0, :10].tolist() == [1, 2, 3, 5, 6, 7, 90, 91, 8, 9]  # tool ids inside the sequence
     np.testing.assert_array_equal(mb["response_mask"][0, :7], loss_mask[0])
     assert mb["resp_pos"][0, :7].tolist() == list(range(2, 9))

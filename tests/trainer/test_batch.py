@@ -1,16 +1,9 @@
-"""Packing responses into fixed-shape micro-batches, and the smaller shapes of a mostly empty tail."""
+"""The packed layout of a micro-batch, and the ladder's smaller shapes giving the same log-probs and update."""
 
 import numpy as np
-import pytest
 
-from jaxrl_llm.trainer.batch import (
-    PackShape,
-    TrainBatch,
-    build_micro_batch,
-    plan_micro_batches,
-    split_mini_batches,
-    tail_shape,
-)
+from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch, split_mini_batches
+from jaxrl_llm.trainer.packing import plan_packing
 from tests.trainer import runs
 
 
@@ -24,47 +17,17 @@ def _batch(lengths, prompt_len=3, seed=0) -> TrainBatch:
                       group_ids=np.arange(len(lengths), dtype=np.int32))
 
 
-def test_plan_places_every_sequence_once_without_overflow():
-    rng = np.random.default_rng(1)
-    lengths = rng.integers(5, 60, size=100)
-    shape = PackShape(rows=4, length=64, max_seqs=32, resp_len=60)
-    plans = plan_micro_batches(lengths, shape)
-    placed = sorted(i for mb in plans for i, _, _ in mb)
-    assert placed == list(range(100))
-    for mb in plans:
-        assert len(mb) <= shape.max_seqs
-        fill = {}
-        for i, row, off in sorted(mb, key=lambda p: (p[1], p[2])):
-            assert 0 <= row < shape.rows and off == fill.get(row, 0)  # contiguous, no overlap
-            fill[row] = off + lengths[i]
-        assert max(fill.values()) <= shape.length
-
-
 def test_micro_batch_layout_gathers_each_response_token():
     b = _batch([4, 2, 6])
     shape = PackShape(rows=2, length=16, max_seqs=4, resp_len=6)
-    mb = build_micro_batch(b, plan_micro_batches(b.prompt_lengths + b.response_lengths, shape)[0], shape)
+    (_, placements), = plan_packing(b.prompt_lengths + b.response_lengths, (shape,), 1)
+    mb = build_micro_batch(b, placements, shape)
     for slot, i in enumerate(mb["seq_ids"]):
         if i < 0:
             continue
         n = int(b.response_lengths[i])
         # The target at each response token's predicting position is that response token.
         np.testing.assert_array_equal(mb["targets"].reshape(-1)[mb["resp_pos"][slot, :n]], b.responses[i, :n])
-
-
-@pytest.mark.parametrize("used_rows,seqs,depth,want_rows", [
-    (1, 1, 3, 4 * 2),     # 16 rows a device: the ladder stops at a quarter (depth 3)
-    (1, 1, 5, 1 * 2),     # deeper ladder: down to one row a device
-    (9, 9, 5, 8 * 2),     # 9 rows used: 16 rows is the smallest ladder size >= 9 (8 a device)
-    (20, 20, 5, 16 * 2),  # more than half used: the full shape
-    (1, 1, 1, 16 * 2),    # depth 1: always the full shape
-    (2, 40, 5, 2 * 2),    # two rows, but 40 sequences need 4 rows of slots (10 a row): 2 a device
-])
-def test_tail_shape_ladder(used_rows, seqs, depth, want_rows):
-    full = PackShape(rows=32, length=128, max_seqs=320, resp_len=64)
-    placements = [(i, min(i, used_rows - 1), 0) for i in range(seqs)]
-    got = tail_shape(placements, full, shards=2, depth=depth)
-    assert got.rows == want_rows and got.max_seqs == want_rows * 10 and got.length == full.length
 
 
 def test_tail_shapes_give_the_same_log_probs_and_update(tmp_path):
@@ -84,13 +47,16 @@ def test_tail_shapes_give_the_same_log_probs_and_update(tmp_path):
         shapes = []  # rows of every micro-batch of every mini-batch of the update
         for idx in split_mini_batches(len(batch), run.actor.ppo_mini_batch_size * run.rollout.n):
             sub = batch.select(idx)
-            shapes += [tail_shape(p, w.pack, w.dp, depth).rows
-                       for p in plan_micro_batches(sub.prompt_lengths + sub.response_lengths, w.pack)]
+            shapes += [shape.rows for shape, _ in plan_packing(sub.prompt_lengths + sub.response_lengths,
+                                                                w.pack_ladder, w.dp)]
         lp = w.compute_log_prob(batch)
         batch.fields["old_log_prob"] = lp["old_log_prob"]
         batch.fields["advantages"] = np.random.default_rng(0).standard_normal(batch.response_mask.shape).astype(
             np.float32) * batch.response_mask
         metrics = w.update_actor(batch, 0)
+        fill = w.pack_metrics()
+        assert set(fill) == {"perf/pack_fill", "perf/pack_fill/log_prob", "perf/pack_fill/update"}
+        assert 0 < fill["perf/pack_fill"] <= 1 and w.pack_metrics() == {}  # counted since the last call
         out[depth] = (shapes, lp["old_log_prob"], metrics)
     (full_shapes, lp1, m1), (tail_shapes_, lp3, m3) = out[1], out[3]
     assert len(full_shapes) >= 2 and set(full_shapes) == {full_shapes[0]}

@@ -57,20 +57,20 @@ def test_a_refused_update_names_the_program_its_sizes_and_the_keys_before_loadin
     assert plan.programs[0].name == "actor update" and plan.programs[0].need <= FIT_SHARE * limit
 
 
-def test_auto_remat_takes_dots_where_it_fits_and_full_where_only_full_does():
-    dots, full = _update_need("dots"), _update_need("full")
-    assert dots > full  # "dots" keeps the matmul outputs for the backward pass
-    run = _run(BIG, "model.remat='auto'")
-    plan = memory_check.plan(run, model_config(run), _build)
-    assert plan.cfg.remat == "dots" and plan.run.model.remat == "dots"
-    # Between the two: "dots" does not fit in AUTO_SHARE of it, "full" fits in FIT_SHARE.
-    limit = int((dots / AUTO_SHARE + full / FIT_SHARE) / 2)
-    assert full <= FIT_SHARE * limit < FIT_SHARE * dots / AUTO_SHARE
-    run = _run(limit, "model.remat='auto'")
-    plan = memory_check.plan(run, model_config(run), _build)
-    assert plan.cfg.remat == "full" and plan.run.model.remat == "full"
-    assert plan.programs[0].need == full
+def test_auto_remat_takes_the_least_recompute_that_fits():
+    """Down the ladder dots, mlp_gate, attention_block, ...: the first policy whose compiled update fits."""
+    deep = "model.overrides={'vocab_size': 16, 'intermediate_size': 1024, 'num_hidden_layers': 8}"  # saved
+    need = {r: _update_need(r, deep) for r in ("dots", "mlp_gate", "attention_block")}  # activations dominate
+    assert need["dots"] > need["mlp_gate"] > need["attention_block"]  # each keeps less for the backward pass
+    for taken, above in (("mlp_gate", "dots"), ("attention_block", "mlp_gate")):
+        # Between the two: the one above does not fit in AUTO_SHARE of the limit, this one does.
+        limit = int((need[above] + need[taken]) / 2 / AUTO_SHARE)
+        run = _run(limit, "model.remat='auto'", deep)
+        plan = memory_check.plan(run, model_config(run), _build)
+        assert plan.cfg.remat == taken and plan.run.model.remat == taken
+        assert plan.programs[0].need == need[taken]
     # A remat the run names is kept: where "dots" does not fit at all, it is refused, not replaced.
+    dots = _update_need("dots")
     run = _run(int(dots / FIT_SHARE) - 1, "model.remat='dots'")
     with pytest.raises(DeviceMemoryError, match=r"the actor update \(jit 'step'; remat 'dots'.*model.remat = 'full'"):
         memory_check.plan(run, model_config(run), _build)

@@ -12,6 +12,7 @@ from jaxrl_llm.trainer import memory, memory_check
 from jaxrl_llm.trainer.memory_check import FIT_SHARE
 from jaxrl_llm.trainer.memory_programs import StepPrograms
 from jaxrl_llm.trainer.model_load import model_config
+from jaxrl_llm.trainer.warm_programs import micro_batch
 from jaxrl_llm.trainer.worker import TrainerWorker
 from tests.trainer import runs
 
@@ -47,7 +48,7 @@ def test_the_check_compiles_qwen35s_programs_and_names_the_key_of_a_budget_too_s
     run = _run(BIG, *params)
     progs = StepPrograms(_build(run, model_config(run)), BIG)
     if preset == "tiny_qwen35_moe":  # R2: the update replays the routing of all four (sparse) layers
-        host, _ = progs.micro_batch(progs.w.pack, ["rollout_log_probs"], update=True)
+        host, _ = micro_batch(progs.w, progs.w.pack, ["rollout_log_probs"], update=True)
         assert host["routed_experts"].shape[2:] == (4, 2)  # [rows, L, L_moe, k]
     update = progs.updates()[0]
     assert update.name == "actor update" and update.temp > 0

@@ -1,0 +1,44 @@
+"""With `train.compile_ahead`, the worker builds the update and log-prob passes at every shape of their ladders
+before the first step: a run whose later steps pack into shapes step 0 never used compiles nothing after it."""
+
+import numpy as np
+
+from jaxrl_llm.trainer import worker as worker_module
+from jaxrl_llm.trainer.loop import RLTrainer
+from tests.trainer import runs
+
+# Rows of 32 tokens, 3 a micro-batch in the update and 6 in the log-prob pass (ladders 3, 2, 1 and 6, 3, 2); two
+# mini-batches a step, so the old-log-prob pass runs; responses up to 16 tokens.
+PARAMS = ("train.driver='inprocess'", "train.compile_ahead=True", "actor.tail_shapes=3", "actor.pack_length=32",
+          "data.max_response_length=16", "actor.ppo_max_token_len_per_gpu=96",
+          "rollout.log_prob_max_token_len_per_gpu=192", "actor.ppo_mini_batch_size=4")
+
+
+def test_later_steps_of_other_lengths_compile_nothing(tmp_path, monkeypatch):
+    trainer = RLTrainer(runs.run_config(*PARAMS, run_dir=tmp_path / "run"))
+    w = trainer.worker.obj
+    assert [s.rows for s in w.pack_ladder] == [3, 2, 1] and [s.rows for s in w.fwd_ladder] == [6, 3, 2]
+    w.engine.warm_programs = True  # the sampler's programs built ahead too (its own default on a GPU)
+    # Step 0 samples 16 tokens a response (the sampler builds its programs), step 1 one.
+    caps, generate = iter([16, 1]), w.engine.generate
+
+    def capped(prompts, sampling, max_new_tokens_per_row=None, **kw):
+        lens = np.full(len(prompts) * sampling.n, next(caps))
+        return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens, **kw)
+
+    w.engine.generate = capped
+    shapes, plan = [], worker_module.plan_packing
+
+    def recorded(lengths, ladder, shards):
+        plans = plan(lengths, ladder, shards)
+        shapes[-1].update((ladder[0].rows, shape.rows) for shape, _ in plans)
+        return plans
+
+    monkeypatch.setattr(worker_module, "plan_packing", recorded)
+    metrics = []
+    for step in range(2):
+        shapes.append(set())
+        metrics.append(trainer.train_step(next(trainer.iterator), step))
+    assert shapes[1] - shapes[0], shapes  # step 1 met shapes that step 0 did not compile
+    assert metrics[1]["perf/compiles"] == 0
+    assert all(0 < m["perf/pack_fill"] <= 1 for m in metrics)
