@@ -149,8 +149,8 @@ class RLTrainer:
     # ---- rollout engine ----------------------------------------------------------------------------
     def _make_vllm_pool(self):
         """The vLLM pool of Ray actors, started from the actor's current weights (saved with Orbax)."""
+        from jaxrl_llm.ray_cluster import init_ray
         from jaxrl_llm.rollout import VllmPool
-        from jaxrl_llm.trainer.roles import init_ray
 
         self.weights_dir = self._weights_dir()
         # Every process writes its shards. LoRA with adapter syncs: the frozen base, then this step's adapters
@@ -161,7 +161,7 @@ class RLTrainer:
         adapter = self.worker.call("save_adapters", self.weights_dir, self.global_step) if self.sync_adapters else None
         if not self.main:
             return None
-        init_ray(self.run)
+        init_ray(self.run.trainer.ray_address)
         d = self.run.data
         lora = self.lora if self.sync_adapters else None
         pool = VllmPool(self.worker.call("model_config"), num_workers=self.run.rollout.vllm_workers,

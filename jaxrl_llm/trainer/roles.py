@@ -4,8 +4,8 @@ in a Ray actor (`train.driver = "ray" | "inprocess"`)."""
 from __future__ import annotations
 
 import logging
-import os
 
+from jaxrl_llm.ray_cluster import init_ray
 from jaxrl_llm.trainer.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -44,25 +44,6 @@ class RayRole:
         ray.kill(self.actor)
 
 
-def init_ray(run: RunConfig) -> None:
-    """Connects to `train.ray_address`, or starts an embedded local cluster."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if run.trainer.ray_address:
-        ray.init(address=run.trainer.ray_address)
-    else:
-        ray.init(include_dashboard=False, log_to_driver=True, _system_config=local_ray_config())
-
-
-def local_ray_config() -> dict:
-    """An embedded cluster's settings. Ray starts its workers at niceness 15; ours are the run itself (trainer
-    processes, vLLM engines, reward workers), and starved beside any other busy process one of them missed
-    gloo's fixed 30 s rendezvous. They run at the driver's priority unless RAY_worker_niceness says otherwise."""
-    return {} if "RAY_worker_niceness" in os.environ else {"worker_niceness": 0}
-
-
 def make_worker(run: RunConfig, *, total_steps: int, inprocess: bool = False):
     """The trainer worker (actor, reference, critic, JAX engine) as a role handle: in this process for
     `train.driver = 'inprocess'`, for `inprocess=True` and in every process of a multi-process run (each
@@ -74,7 +55,7 @@ def make_worker(run: RunConfig, *, total_steps: int, inprocess: bool = False):
         return LocalRole(TrainerWorker(run, total_steps=total_steps))
     import ray
 
-    init_ray(run)
+    init_ray(run.trainer.ray_address)
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     actor_cls = ray.remote(num_gpus=gpus, num_cpus=1)(TrainerWorker)
     return RayRole(actor_cls.remote(run, total_steps=total_steps))

@@ -21,9 +21,9 @@ import re
 import socket
 
 from jaxrl_llm.distributed import DistributedError, ProcessSpec
+from jaxrl_llm.ray_cluster import init_ray
 from jaxrl_llm.trainer.config import RunConfig
 from jaxrl_llm.trainer.placement import check_processes
-from jaxrl_llm.trainer.roles import init_ray
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def fit_on_ray(run: RunConfig, operative_config: str, *, log_level: str = "INFO"
     t = run.trainer
     n, per = t.num_processes, t.devices_per_process or 1
     check_processes(run, n, per)  # an async run: training processes first, then the rollout's (as the launcher)
-    init_ray(run)
+    init_ray(run.trainer.ray_address)
     gpu = ray.cluster_resources().get("GPU", 0) > 0
     bundle = {"CPU": 1, "GPU": per} if gpu else {"CPU": 1}
     # SPREAD: one process per node where the cluster has the nodes (JAX's usual layout), else packed.
