@@ -4,7 +4,9 @@ and the floors of README's Layout hold, each part importing only from the floors
 Every import counts, at the top of a module or inside a function (a lazy import that runs back up a floor is
 still a circle waiting to happen, and the style guide asks for the shared piece one floor down instead). An
 import names the module it loads: `from a.b import c` is an edge to `a.b.c` when that is a module, else to
-`a.b`; importing `a.b.c` does not count as importing the packages `a` and `a.b` above it."""
+`a.b`. Loading `a.b.c` also runs the packages above it, `a` and `a.b` (their `__init__`), so it is an edge to
+each of them too, unless the importer is inside that package (which is then loaded already): a package whose
+`__init__` gathers its modules' names is in a circle with any module it gathers that imports one of them."""
 
 from __future__ import annotations
 
@@ -77,6 +79,11 @@ def import_graph(root: pathlib.Path, packages=PACKAGES) -> dict[str, set[str]]:
                     base = ".".join(up + ([node.module] if node.module else []))
                 for a in node.names:
                     targets.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else resolve(base))
+        for t in list(targets):  # the packages a module's loading runs first
+            while t and "." in t:
+                t = t.rpartition(".")[0]
+                if t in mods and not mod.startswith(t + "."):
+                    targets.add(t)
         graph[mod] = {t for t in targets if t and t != mod}
     return graph
 
@@ -141,8 +148,24 @@ def test_the_checks_find_a_planted_circle_and_a_planted_import_up_a_floor(tmp_pa
     (pkg / "trainer" / "loop.py").write_text("import jaxrl_llm.rewards.manager\n\n\ndef h():\n"
                                              "    from .roles import g\n")
     planted = import_graph(tmp_path, ("jaxrl_llm",))
-    assert planted["jaxrl_llm.rewards.manager"] == {"jaxrl_llm.trainer.roles"}
+    assert planted["jaxrl_llm.rewards.manager"] == {"jaxrl_llm.trainer", "jaxrl_llm.trainer.roles"}  # (and the package)
     assert planted["jaxrl_llm.trainer.roles"] == {"jaxrl_llm.trainer.loop"}
     assert find_cycle(planted) == ["jaxrl_llm.rewards.manager", "jaxrl_llm.trainer.roles", "jaxrl_llm.trainer.loop",
                                    "jaxrl_llm.rewards.manager"]
-    assert layering_violations(planted) == ["jaxrl_llm.rewards.manager imports jaxrl_llm.trainer.roles"]
+    assert layering_violations(planted) == ["jaxrl_llm.rewards.manager imports jaxrl_llm.trainer",
+                                            "jaxrl_llm.rewards.manager imports jaxrl_llm.trainer.roles"]
+
+
+def test_a_package_that_gathers_its_modules_names_is_in_a_circle_with_a_module_that_imports_one(tmp_path):
+    """`from jaxrl_llm.config.check import x` runs `jaxrl_llm/config/__init__.py` first: when that imports a module
+    that imports the importer back, Python meets a half-loaded module (what a run met in `trainer/config/`)."""
+    pkg = tmp_path / "jaxrl_llm"
+    (pkg / "config").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config" / "__init__.py").write_text("from jaxrl_llm.config.run import Run\n")
+    (pkg / "config" / "check.py").write_text("x = 1\n")
+    (pkg / "config" / "run.py").write_text("from jaxrl_llm.config.check import x\nfrom jaxrl_llm.replay import S\n")
+    (pkg / "replay.py").write_text("from jaxrl_llm.config.check import x\nS = 1\n")
+    planted = import_graph(tmp_path, ("jaxrl_llm",))
+    assert planted["jaxrl_llm.config.run"] == {"jaxrl_llm.config.check", "jaxrl_llm.replay"}  # its own package: loaded
+    assert find_cycle(planted) == ["jaxrl_llm.config", "jaxrl_llm.config.run", "jaxrl_llm.replay", "jaxrl_llm.config"]

@@ -115,7 +115,7 @@ def plan_devices(rollout: int | None, train: int | None, n_all: int) -> tuple[in
 
 
 def _run_config(opts, preset: str, mode: str, n_dev: int, rollout: int):
-    from jaxrl_llm.trainer.config_async import AsyncConfig
+    from jaxrl_llm.trainer.config.async_training import AsyncConfig
 
     n = 2 if opts.small else 5
     prompts = (4 if opts.small else opts.prompts_per_gpu) * n_dev
@@ -159,8 +159,8 @@ def _capped_lengths(opts, count: int, cap: int):
 
 def run_mode(opts, preset: str, mode: str, n_dev: int, rollout: int) -> list[dict]:
     from jaxrl_llm.rollout.stream import RolloutStream
-    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
     from jaxrl_llm.trainer.loop import RLTrainer
+    from jaxrl_llm.trainer.rollouters.async_trainer import AsyncRLTrainer
 
     run, samples, cap = _run_config(opts, preset, mode, n_dev, rollout)
     take = _capped_lengths(opts, samples * (opts.steps + 4), cap)

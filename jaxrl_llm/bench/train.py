@@ -54,7 +54,7 @@ def train(presets, small: bool, remat_list):
     from jaxrl_llm.algorithms import LossNorm
     from jaxrl_llm.trainer.batch import PackShape, build_micro_batch
     from jaxrl_llm.trainer.packing import padded_tokens, plan_packing
-    from jaxrl_llm.trainer.worker import TrainerWorker
+    from jaxrl_llm.trainer.roles.worker import TrainerWorker
 
     peak_meas = CEILINGS["matmul_tflops"] or 790.0  # PEERS.md: 774-787 TFLOP/s on the lent H200
     peer_shapes = {"qwen2p5_0p5b": (32, 512), "qwen2p5_1p5b": (16, 512), "qwen2p5_7b": (16, 512), "tiny": (8, 64)}
@@ -221,7 +221,7 @@ def profile_update(opts):
     what the worker did not build ahead), times the second of each, then traces one more of each and sorts the
     trace's time into matmul, attention, collectives (exposed, overlapped), elementwise and norms, the
     optimizer and the gaps between kernels (`trace.sort_trace`)."""
-    from jaxrl_llm.trainer.worker import TrainerWorker
+    from jaxrl_llm.trainer.roles.worker import TrainerWorker
 
     preset = "tiny" if opts.small else opts.train_presets.split(",")[0]
     n_dev = jax.device_count() if opts.fsdp == -1 else opts.fsdp * opts.tensor

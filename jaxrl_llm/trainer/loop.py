@@ -38,8 +38,8 @@ from jaxrl_llm.trainer.config import ConfigValueError, RunConfig
 from jaxrl_llm.trainer.data_setup import build_datasets, load_tokenizer
 from jaxrl_llm.trainer.dynamic_sampling import GroupFilter, ScoredDraw, draw_seed, extra_info_fields
 from jaxrl_llm.trainer.loggers import MetricsLogger
-from jaxrl_llm.trainer.model_load import lora_meta, lora_spec
-from jaxrl_llm.trainer.roles import make_worker
+from jaxrl_llm.trainer.roles.handles import make_worker
+from jaxrl_llm.trainer.roles.model_load import lora_meta, lora_spec
 from jaxrl_llm.trainer.rollout_batch import Rollout, build_train_batch, response_items
 from jaxrl_llm.trainer.step_rewards import StepScorer
 from jaxrl_llm.trainer.validation import ValidationResults

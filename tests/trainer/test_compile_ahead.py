@@ -3,8 +3,8 @@ before the first step: a run whose later steps pack into shapes step 0 never use
 
 import numpy as np
 
-from jaxrl_llm.trainer import worker as worker_module
 from jaxrl_llm.trainer.loop import RLTrainer
+from jaxrl_llm.trainer.roles import worker as worker_module
 from tests.trainer import runs
 
 # Rows of 32 tokens, 3 a micro-batch in the update and 6 in the log-prob pass (ladders 3, 2, 1 and 6, 3, 2); two

@@ -13,9 +13,8 @@ from jaxrl_llm.models import init_params
 from jaxrl_llm.rollout import JaxEngine, RolloutError, SamplingParams
 from jaxrl_llm.train import UsageError
 from jaxrl_llm.trainer.batch import TrainBatch
-from jaxrl_llm.trainer.config import ConfigValueError
+from jaxrl_llm.trainer.config import ConfigValueError, RouterReplaySettings
 from jaxrl_llm.trainer.loop import RLTrainer
-from jaxrl_llm.trainer.router_replay import RouterReplaySettings
 from tests.trainer import runs
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("ray") is not None

@@ -10,8 +10,8 @@ import pytest
 
 from jaxrl_llm.algorithms import get_adv_estimator
 from jaxrl_llm.trainer import steps
-from jaxrl_llm.trainer.algo_setup import exactly_on_policy, rollout_correction_config
 from jaxrl_llm.trainer.loop import RLTrainer, build_train_batch
+from jaxrl_llm.trainer.roles.algo_setup import exactly_on_policy, rollout_correction_config
 from tests.trainer import runs
 
 ONE_MINI_BATCH = ("train.driver='inprocess'", "actor.ppo_mini_batch_size=8")  # FAST's train_batch_size is 8

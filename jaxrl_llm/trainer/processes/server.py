@@ -1,5 +1,5 @@
-"""The rollout process of an async run over several processes (trainer/placement.py): the JAX engine on this
-process's devices, doing what the training side's commands say (trainer/rollout_remote.py), until it says stop.
+"""The rollout process of an async run over several processes (trainer/processes/placement.py): the JAX engine on this
+process's devices, doing what the training side's commands say (trainer/processes/remote.py), until it says stop.
 
 One thread reads the commands in order: a weight sync (this process's half of one program over both sides'
 devices, `WeightSync(side='receive')`), a batch to generate (one_step_off), or the rollout stream's calls
@@ -21,10 +21,10 @@ from jaxrl_llm.agent.config import engine_prompt_length
 from jaxrl_llm.rollout import make_jax_engine
 from jaxrl_llm.rollout.stream import RolloutStream
 from jaxrl_llm.rollout.weight_sync import WeightSync
-from jaxrl_llm.trainer.channel import Channel
-from jaxrl_llm.trainer.model_load import model_config
-from jaxrl_llm.trainer.placement import rollout_mesh, split_devices
-from jaxrl_llm.trainer.rollout_remote import CHANNEL
+from jaxrl_llm.trainer.processes.channel import Channel
+from jaxrl_llm.trainer.processes.placement import rollout_mesh, split_devices
+from jaxrl_llm.trainer.processes.remote import CHANNEL
+from jaxrl_llm.trainer.roles.model_load import model_config
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The checkpoint side of `TrainerWorker` (trainer/worker.py): opening the run's checkpoint dir, saving and
+"""The checkpoint side of `TrainerWorker` (trainer/roles/worker.py): opening the run's checkpoint dir, saving and
 restoring the train states, and setting aside another run's checkpoints."""
 
 from __future__ import annotations

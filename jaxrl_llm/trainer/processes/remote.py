@@ -1,11 +1,12 @@
-"""The training processes' view of a rollout process (an async run over several processes, trainer/placement.py):
+"""The training processes' view of a rollout process (an async run over several processes,
+trainer/processes/placement.py):
 an engine and a rollout stream that look like the local ones to `AsyncRLTrainer`, and whose work runs in the
-rollout process (trainer/rollout_server.py).
+rollout process (trainer/processes/server.py).
 
-Commands go there as host messages (trainer/channel.py); only the training side's first process sends them, and
-every training process reads the replies and the finished groups, in the same order, so their SPMD loops stay
-equal. Weights go as shards, by one program over both sides' devices (`WeightSync(side='send')`), right after
-the command that makes the rollout process join it.
+Commands go there as host messages (trainer/processes/channel.py); only the training side's first process sends them,
+and every training process reads the replies and the finished groups, in the same order, so their SPMD loops stay equal.
+Weights go as shards, by one program over both sides' devices (`WeightSync(side='send')`), right after the command that
+makes the rollout process join it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 from jaxrl_llm import distributed
 from jaxrl_llm.rollout.stream import ThreadFailure
 from jaxrl_llm.rollout.weight_sync import WeightSync
-from jaxrl_llm.trainer.channel import Channel
+from jaxrl_llm.trainer.processes.channel import Channel
 
 CHANNEL = "async"
 

@@ -1,4 +1,4 @@
-"""The weight side of `TrainerWorker` (trainer/worker.py): the actor's weights into the JAX engine (in place when
+"""The weight side of `TrainerWorker` (trainer/roles/worker.py): the actor's weights into the JAX engine (in place when
 colocated, through a `WeightSync` on the rollout's own devices, over one program of both sides' devices to another
 process), freeing what the engine holds, and writing weights and adapters for a vLLM pool or an export."""
 
@@ -8,7 +8,7 @@ import os
 
 import jax
 
-from jaxrl_llm.trainer.rollout_remote import RemoteEngine
+from jaxrl_llm.trainer.processes.remote import RemoteEngine
 
 
 class WorkerWeights:

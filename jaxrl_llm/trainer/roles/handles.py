@@ -49,7 +49,7 @@ def make_worker(run: RunConfig, *, total_steps: int, inprocess: bool = False):
     `train.driver = 'inprocess'`, for `inprocess=True` and in every process of a multi-process run (each
     process owns its devices' part of the global mesh), else in a Ray actor."""
     from jaxrl_llm import distributed
-    from jaxrl_llm.trainer.worker import TrainerWorker
+    from jaxrl_llm.trainer.roles.worker import TrainerWorker
 
     if run.trainer.driver == "inprocess" or inprocess or distributed.process_count() > 1:
         return LocalRole(TrainerWorker(run, total_steps=total_steps))

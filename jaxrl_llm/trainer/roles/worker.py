@@ -25,31 +25,32 @@ from jaxrl_llm.models import Qwen2Config
 from jaxrl_llm.rollout import RolloutBatch, SamplingParams, make_jax_engine
 from jaxrl_llm.rollout.vllm_pool import check_model as check_vllm_model
 from jaxrl_llm.rollout.weight_sync import WeightSync
-from jaxrl_llm.trainer import memory_check, router_replay, steps
-from jaxrl_llm.trainer.algo_setup import (
+from jaxrl_llm.trainer import router_replay, steps
+from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch, split_mini_batches
+from jaxrl_llm.trainer.config import RunConfig
+from jaxrl_llm.trainer.memory import check as memory_check
+from jaxrl_llm.trainer.memory.warm_programs import CompileAhead
+from jaxrl_llm.trainer.packing import padded_tokens, plan_packing, shape_ladder
+from jaxrl_llm.trainer.processes.placement import rollout_mesh, split_devices
+from jaxrl_llm.trainer.processes.remote import RemoteEngine
+from jaxrl_llm.trainer.roles.algo_setup import (
     adv_inputs,
     exactly_on_policy,
     make_adv_fn,
     policy_loss_config,
     rollout_correction_config,
 )
-from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch, split_mini_batches
-from jaxrl_llm.trainer.config import RunConfig
-from jaxrl_llm.trainer.model_load import (
+from jaxrl_llm.trainer.roles.model_load import (
     load_actor_params,
     load_adapters,
     load_critic_params,
     lora_spec,
     model_config,
 )
-from jaxrl_llm.trainer.model_state import ModelState, abstract_params
-from jaxrl_llm.trainer.optim import make_optimizer
-from jaxrl_llm.trainer.packing import padded_tokens, plan_packing, shape_ladder
-from jaxrl_llm.trainer.placement import rollout_mesh, split_devices
-from jaxrl_llm.trainer.rollout_remote import RemoteEngine
-from jaxrl_llm.trainer.warm_programs import CompileAhead
-from jaxrl_llm.trainer.worker_checkpoints import WorkerCheckpoints
-from jaxrl_llm.trainer.worker_weights import WorkerWeights
+from jaxrl_llm.trainer.roles.model_state import ModelState, abstract_params
+from jaxrl_llm.trainer.roles.optim import make_optimizer
+from jaxrl_llm.trainer.roles.worker_checkpoints import WorkerCheckpoints
+from jaxrl_llm.trainer.roles.worker_weights import WorkerWeights
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         self.engine = None
         self._weight_sync: WeightSync | None = None  # the sync to the rollout's own devices (async modes)
         if run.rollout.engine == "jax" and not abstract and self._remote_rollout():
-            # The rollout side is another process (trainer/placement.py): its engine, driven from here.
+            # The rollout side is another process (trainer/processes/placement.py): its engine, driven from here.
             self.engine = RemoteEngine(self.cfg, rollout_mesh(run, self.rollout_devices))
             self.memory.generation_held = {}
         elif run.rollout.engine == "jax" and not abstract:

@@ -1,0 +1,1 @@
+"""The roles of a run and the handles that carry their calls."""

@@ -1,0 +1,1 @@
+"""How batches reach the trainer: the synchronous and asynchronous modes."""
