@@ -1,6 +1,5 @@
-"""The async run's host channel (trainer/processes/channel.py) over a stand-in for the coordination service's key-value
-store:
-only a missing error key reads as "no failure"; any other failure of the store raises."""
+"""The async run's host channel (trainer/processes/channel.py) over a stand-in for the coordination service's
+key-value store: only a missing error key reads as "no failure"; any other failure of the store raises."""
 
 import pytest
 

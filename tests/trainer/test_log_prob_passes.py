@@ -22,10 +22,10 @@ BOTH = ("train.driver='inprocess'", "actor.use_kl_loss=True", "actor.ppo_mini_ba
 
 def test_one_program_gives_the_two_passes(tmp_path):
     trainer = RLTrainer(runs.run_config(*BOTH, run_dir=tmp_path / "run"))
-    w = trainer.worker.obj
+    w = trainer.worker
     assert trainer.needs_old and trainer.needs_ref and w.run.rollout.fuse_log_prob_passes
     prompts = next(trainer.iterator)
-    batch = build_train_batch(prompts, w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0)),
+    batch = build_train_batch(prompts, trainer.engine.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0)),
                               trainer.run.data.max_response_length)
     # One update first, so that the policy and the reference differ.
     batch.fields["old_log_prob"] = w.compute_log_prob(batch)["old_log_prob"]

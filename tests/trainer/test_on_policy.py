@@ -34,10 +34,10 @@ def test_the_pass_is_skipped_only_when_nothing_else_reads_the_old_log_probs(para
 
 def test_the_skipped_pass_gives_the_same_update(tmp_path):
     trainer = RLTrainer(runs.run_config(*ONE_MINI_BATCH, "actor.entropy_coeff=0.01", run_dir=tmp_path / "run"))
-    w = trainer.worker.obj
-    assert w.on_policy and not trainer.worker.call("needs_old_log_prob")
+    w = trainer.worker
+    assert w.on_policy and not trainer.worker.needs_old_log_prob()
     prompts = next(trainer.iterator)
-    batch = build_train_batch(prompts, w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0)),
+    batch = build_train_batch(prompts, trainer.engine.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0)),
                               trainer.run.data.max_response_length)
     batch.fields["advantages"] = np.random.default_rng(0).standard_normal(batch.response_mask.shape).astype(
         np.float32) * batch.response_mask

@@ -52,17 +52,11 @@ def run_process(run, operative_config: str, spec) -> dict:
 
         return RolloutServer(run).serve()
     try:
-        if run.async_training.enabled:  # the rollout on devices of its own (trainer/rollouters/async_trainer.py)
-            from jaxrl_llm.trainer.rollouters.async_trainer import AsyncRLTrainer
-
-            trainer = AsyncRLTrainer(run, operative_config=operative_config)
-        else:
-            trainer = RLTrainer(run, operative_config=operative_config, inprocess=spec.multi)
-        return trainer.fit()
+        return RLTrainer(run, operative_config=operative_config).fit()
     except BaseException as e:
-        if placement.side(run) == placement.TRAIN:  # the rollout process stops too, rather than wait for commands
+        if placement.side(run) == placement.TRAIN:  # the rollout process stops too, rather than wait for calls
             from jaxrl_llm.trainer.processes.channel import Channel
-            from jaxrl_llm.trainer.processes.remote import CHANNEL
+            from jaxrl_llm.trainer.processes.service import CHANNEL
 
             Channel(CHANNEL).fail(f"training process {spec.process_id} failed: {type(e).__name__}: {e}")
         raise
