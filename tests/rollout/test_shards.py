@@ -16,7 +16,8 @@ from jaxrl_llm.rollout import shard as shard_mod
 from jaxrl_llm.rollout.dealer import Dealer, deal
 from jaxrl_llm.rollout.ladders import ATTN_BYTES, Ladders
 from jaxrl_llm.rollout.programs import _load_on
-from jaxrl_llm.rollout.scheduler import PrefillTask, Row, RowStore
+from jaxrl_llm.rollout.rows import Row, RowStore
+from jaxrl_llm.rollout.scheduler import PrefillTask
 
 
 def rows_of(prompt_lens: list[int], n: int, budget) -> list[list[Row]]:
