@@ -142,12 +142,12 @@ class VllmPool:
                  num_cpus: float = 1, engine_kwargs: Mapping | None = None, env_vars: Mapping | None = None,
                  max_retries: int = 2, request_timeout_s: float | None = None, scratch_dir: str | None = None,
                  seed: int = 0, lora_rank: int = 0, lora_targets: Sequence[str] = ()):
-        check_model(model if isinstance(model, Qwen2Config) else Qwen2Config.from_hf(os.fspath(model)))
         kwargs = dict(engine_kwargs or {})
         if lora_rank:  # checked before any actor starts
             for k, v in vllm_lora_kwargs(lora_rank).items():
                 kwargs.setdefault(k, v)
         ray = _import_ray()
+        check_model(model if isinstance(model, Qwen2Config) else Qwen2Config.from_hf(os.fspath(model)))
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: need at least one actor")
         if max_prompt_length >= max_model_len:
