@@ -352,7 +352,7 @@ class RLTrainer:
         timer = M.Timer()
         metrics: dict[str, float] = {}
         if run.trainer.replay_batches_from:
-            return self._replay_step(step)
+            return self._replay_step(step, epoch=getattr(prompts, "epoch", None))
         compiled_before = worker.call("compile_stats")
         with timer("step"):
             passes = dict(old=self.needs_old, ref=self.needs_ref, values=run.algo.uses_critic)
@@ -394,7 +394,7 @@ class RLTrainer:
         # and further on in the async modes, which draw ahead)
         return self._step_metrics(metrics, batch, timer, step, epoch=getattr(prompts, "epoch", None))
 
-    def _replay_step(self, step: int) -> dict[str, float]:
+    def _replay_step(self, step: int, epoch: int | None = None) -> dict[str, float]:
         """Trains on a dumped batch instead of generating one: same start state and same batches give
         the same updates (batch dump and replay, for exact reproduction)."""
         timer = M.Timer()
@@ -402,7 +402,7 @@ class RLTrainer:
         with timer("step"):
             batch = self._replayed_batch(step)
             self._update(batch, step, timer, metrics)
-        return self._step_metrics(metrics, batch, timer, step)
+        return self._step_metrics(metrics, batch, timer, step, epoch=epoch)
 
     def _update(self, batch: TrainBatch, step: int, timer, metrics: dict, sync: bool = True) -> None:
         """Critic then actor updates on the finished batch, then (`sync`) the new weights to the engine."""
