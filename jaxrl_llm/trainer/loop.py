@@ -263,8 +263,9 @@ class RLTrainer:
         """One training step: each batch the rollouter hands over for it trained on (one a local update), then the
         new weights toward the engine. `prompts`: this step's prompt batch, drawn by the caller (a synchronous run's;
         by default the rollouter draws)."""
-        if self.run.trainer.replay_batches_from:
-            return self._replay_step(step)
+        if self.run.trainer.replay_batches_from:  # prompts drawn as the dumped run drew them: the same epochs
+            prompts = next(self.iterator) if prompts is None else prompts
+            return self._replay_step(step, epoch=getattr(prompts, "epoch", None))
         compiled = self.worker.compile_stats()
         trained = [self.train_on(ro, step) for ro in self.rollouter.take(step, prompts)]
         rollouter_metrics = self.rollouter.sync(step + 1, trained[-1].rollout.timer)
@@ -329,7 +330,7 @@ class RLTrainer:
         with timer("update_actor"):
             metrics.update(self.worker.update_actor(batch, step))
 
-    def _replay_step(self, step: int) -> dict[str, float]:
+    def _replay_step(self, step: int, epoch: int | None = None) -> dict[str, float]:
         """Trains on a dumped batch instead of generating one, then syncs the engine: same start state and same
         batches give the same updates (batch dump and replay, for exact reproduction)."""
         timer = M.Timer()
@@ -339,7 +340,7 @@ class RLTrainer:
             self._update(batch, step, timer, metrics)
             with timer("reshard"):
                 self.engine.sync(step + 1)
-        return self._step_metrics(metrics, batch, timer, step)
+        return self._step_metrics(metrics, batch, timer, step, epoch=epoch)
 
     def _replayed_batch(self, step: int) -> TrainBatch:
         path = os.path.join(self.run.trainer.replay_batches_from, f"step_{step:06d}.npz")

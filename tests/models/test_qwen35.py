@@ -13,6 +13,8 @@ import transformers
 from jaxrl_llm.models import DecoderConfig, load_hf, save_hf
 from jaxrl_llm.models.hf_io import is_critic_checkpoint
 from tests.hf_models import make_qwen35_model, qwen35_config
+from tests.models.test_hf_parity import _inputs as hf_inputs
+from tests.models.test_hf_parity import _ours, _rel_err, _torch_logits
 
 CASES = {
     # full attention every 2nd layer, untied head
@@ -25,30 +27,9 @@ CASES = {
 }
 
 
-def _rel_err(ours, ref):
-    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
-
-
 def _inputs(vocab, b=3, t=40, seed=0):
     """Ids with left padding (as transformers' generate pads)."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(2, vocab, size=(b, t))
-    mask = np.ones((b, t), np.int64)
-    mask[1, :5] = 0
-    mask[2, :13] = 0
-    ids[mask == 0] = 0
-    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    return ids, mask, pos
-
-
-def _torch_logits(model, ids, mask, pos):
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), position_ids=torch.tensor(pos))
-    return out.logits.float().numpy()
-
-
-def _ours(model, ids, mask):
-    return np.asarray(jax.jit(lambda i, m: model(i, attention_mask=m))(jnp.asarray(ids), jnp.asarray(mask)))
+    return hf_inputs(vocab, b=b, t=t, seed=seed)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -38,3 +38,11 @@ def test_tiny_grpo_lora_demo_passes_its_claim(tmp_path):
     chance, rows, scores = _demo("gin/grpo_tiny_lora.gin", tmp_path, steps=120)
     assert scores[-10:].mean() > 0.9 > 90 * chance
     assert rows[-1]["val-core/arithmetic/reward/mean@1"] >= 0.9
+
+
+def test_tiny_qwen35_demo_learns_the_task(tmp_path):
+    """gin/grpo_tiny_qwen35.gin: a tiny Qwen3.5 (linear attention and gated attention, generated with state slots)
+    learns the task to >= 0.9 (the recipe's seed: 0.94 by step 220, validation 0.96 from step 125)."""
+    chance, rows, scores = _demo("gin/grpo_tiny_qwen35.gin", tmp_path, steps=220)
+    assert scores[-10:].mean() > 0.9 > 90 * chance
+    assert rows[-1]["val-core/arithmetic/reward/mean@1"] >= 0.9
