@@ -14,12 +14,12 @@ all processes. The helpers here keep that true:
 
 With one process every helper reduces to the plain single-process call.
 
-*Groups.* An asynchronous run over several processes (trainer/placement.py) splits them into training processes
-and rollout processes, each side one SPMD program of its own. `set_group(processes)` scopes these helpers to
-this process's side: `process_count`, `process_index`, `is_main`, `share`, the gathers and the barrier then
-involve that side's processes only (a collective over every process would wait forever for the other side,
-which runs other programs). Both sides stay in one `jax.distributed` cluster, so a program over devices of
-both (the weight sync) and the coordination service's key-value store (`kv_*`) still reach everything.
+*Groups.* An asynchronous run over several processes (trainer/processes/placement.py) splits them into training
+processes and rollout processes, each side one SPMD program of its own. `set_group(processes)` scopes these helpers to
+this process's side: `process_count`, `process_index`, `is_main`, `share`, the gathers and the barrier then involve that
+side's processes only (a collective over every process would wait forever for the other side, which runs other
+programs). Both sides stay in one `jax.distributed` cluster, so a program over devices of both (the weight sync) and the
+coordination service's key-value store (`kv_*`) still reach everything.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.hf_io import copy_tokenizer, is_critic_checkpoint, write_hf_dir
 from jaxrl_llm.models.lora import LoraSpec, is_adapter, merge_adapters, partition
 from jaxrl_llm.models.peft_io import save_peft
-from jaxrl_llm.trainer.process import setup_logging
+from jaxrl_llm.trainer.processes.process import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def base_params(cfg: DecoderConfig, lora: dict, *, critic: bool = False) -> dict
             raise FileNotFoundError(f"--merge: the run's base model {path!r} is not a directory here; "
                                     "export without --merge (a PEFT directory) or run where the base is")
         return load_params(path, cfg, critic=critic and is_critic_checkpoint(path))
-    # the trainer draws a critic's preset from seed + 1 (trainer/model_load.py)
+    # the trainer draws a critic's preset from seed + 1 (trainer/roles/model_load.py)
     return init_params(cfg.replace(param_dtype=lora["param_dtype"]), seed=lora["seed"] + int(critic), critic=critic)
 
 

@@ -12,7 +12,7 @@ code and one line naming the process and its cause (its error line, its exceptio
 others' tracebacks stay in their logs. A killed or crashed run resumes from its last checkpoint when
 started again; a process that stopped on bad input (exit code 2) is reported as such. An async run
 (`async_training.mode`) places its sides by process: the first `train.nnodes` processes train, the next
-`rollout.nnodes` generate (trainer/placement.py), as the Ray driver does. For several hosts,
+`rollout.nnodes` generate (trainer/processes/placement.py), as the Ray driver does. For several hosts,
 run `python -m jaxrl_llm.train` once per host with --coordinator_address/--num_processes/--process_id
 instead (or use the Ray driver).
 """
@@ -172,7 +172,7 @@ def check_train_args(train_args: list[str], num_processes: int = 1, devices_per_
     run dir."""
     from jaxrl_llm.errors import ConfigValueError
     from jaxrl_llm.train import UsageError, parse_args, parse_config
-    from jaxrl_llm.trainer.placement import check_processes
+    from jaxrl_llm.trainer.processes.placement import check_processes
 
     args = parse_args(train_args)
     run = parse_config(args.gin_file, args.gin_param)

@@ -25,8 +25,8 @@ import tokenize
 
 import gin
 
-from jaxrl_llm.trainer.config_keys import LIST_HINT, format_keys, hint, operative_config
-from jaxrl_llm.trainer.process import run_process, setup_logging
+from jaxrl_llm.trainer.config.keys import LIST_HINT, format_keys, hint, operative_config
+from jaxrl_llm.trainer.processes.process import run_process, setup_logging
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                                      f"with `python -m jaxrl_llm.launch --num_processes {n} -- <these flags>` (or "
                                      "once per host with --coordinator_address/--num_processes/--process_id), "
                                      "or use train.driver='ray'")
-                from jaxrl_llm.trainer.spmd_ray import fit_on_ray
+                from jaxrl_llm.trainer.processes.ray_driver import fit_on_ray
 
                 fit_on_ray(run, operative_config(run), log_level=args.log_level)
             else:

@@ -25,7 +25,7 @@ import pytest
 
 from jaxrl_llm import train
 from jaxrl_llm.data.arithmetic import build_tokenizer
-from jaxrl_llm.trainer import worker as worker_module
+from jaxrl_llm.trainer.roles import worker as worker_module
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY_GIN = str(REPO / "gin" / "grpo_tiny.gin")

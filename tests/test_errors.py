@@ -6,7 +6,7 @@ import sys
 
 from jaxrl_llm.errors import ConfigValueError
 from jaxrl_llm.trainer import config as trainer_config
-from jaxrl_llm.trainer import config_check
+from jaxrl_llm.trainer.config import check as config_check
 
 PROBE = """
 import sys

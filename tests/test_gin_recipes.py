@@ -60,7 +60,7 @@ def test_family_recipes_are_the_seed_run_with_another_model(recipe, path, preset
     """Same values as the Qwen2.5-7B seed run; the model (and the run's names) differ; the preset that
     benchmarks use in its place (`model.preset`) is the same family and shape."""
     from jaxrl_llm.models import PRESETS
-    from jaxrl_llm.trainer.worker import model_config
+    from jaxrl_llm.trainer.roles.worker import model_config
 
     gin.clear_config()
     seed = parse_config(["gin/grpo_qwen7b.gin"], [])

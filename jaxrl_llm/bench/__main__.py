@@ -78,7 +78,7 @@ def run_here(secs, opts) -> None:
         import jax
 
         from jaxrl_llm import distributed
-        from jaxrl_llm.trainer.process import enable_compilation_cache
+        from jaxrl_llm.trainer.processes.process import enable_compilation_cache
 
         if os.environ.get("JAX_PLATFORMS"):
             jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])

@@ -14,7 +14,7 @@ the cap), or with `--async_lengths seed` from the seed run's GSM8K shape (mean 2
 in the same order to every mode, with EOS off so every row runs to its length.
 
   sync          RLTrainer on every device (the engine colocated with the trainer)
-  one_step_off  AsyncRLTrainer: --rollout_gpus devices generate batch k + 1 while the others train on batch k
+  one_step_off  --rollout_gpus devices generate batch k + 1 while the others train on batch k
   fully_async   the same split, a rollout stream with partial rollouts (K/V recomputed at a swap), staleness
                 --staleness, a sync every half step (trigger_parameter_sync_step 2)
 
@@ -115,7 +115,7 @@ def plan_devices(rollout: int | None, train: int | None, n_all: int) -> tuple[in
 
 
 def _run_config(opts, preset: str, mode: str, n_dev: int, rollout: int):
-    from jaxrl_llm.trainer.config_async import AsyncConfig
+    from jaxrl_llm.trainer.config.async_training import AsyncConfig
 
     n = 2 if opts.small else 5
     prompts = (4 if opts.small else opts.prompts_per_gpu) * n_dev
@@ -159,15 +159,14 @@ def _capped_lengths(opts, count: int, cap: int):
 
 def run_mode(opts, preset: str, mode: str, n_dev: int, rollout: int) -> list[dict]:
     from jaxrl_llm.rollout.stream import RolloutStream
-    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
     from jaxrl_llm.trainer.loop import RLTrainer
 
     run, samples, cap = _run_config(opts, preset, mode, n_dev, rollout)
     take = _capped_lengths(opts, samples * (opts.steps + 4), cap)
     t0 = time.perf_counter()
-    trainer = (RLTrainer if mode == "sync" else AsyncRLTrainer)(run)
+    trainer = RLTrainer(run)  # the mode's rollouter: async_training.mode
     print(f"  {mode}: trainer built in {time.perf_counter() - t0:.1f}s", flush=True)
-    engine = trainer.worker.obj.engine
+    engine = trainer.engine  # the engine role: the rollouters generate through it
     generate, submit = engine.generate, RolloutStream.submit
 
     def capped_generate(prompts, sampling, max_new_tokens_per_row=None, **kw):
@@ -206,8 +205,7 @@ def run_mode(opts, preset: str, mode: str, n_dev: int, rollout: int) -> list[dic
     finally:
         RolloutStream.submit = submit
         del engine.generate  # the instance attribute (a closure over the engine) goes; the class method is back
-        if isinstance(trainer, AsyncRLTrainer):
-            trainer.close()
+        trainer.close()
         del trainer, engine
         gc.collect()  # the next mode's engine sizes its KV pool from the memory free now
     return rows

@@ -3,7 +3,7 @@
   python -m jaxrl_llm.bench --sections lora_sync [--presets qwen2p5_0p5b] [--lora_rank 32] [--repeats 3]
                             [--engines jax,vllm]
 
-JAX engine (in this process, in device memory), what `worker.sync_rollout_weights` does each step:
+JAX engine (in this process, in device memory), what the engine role's `sync` does each step:
   jax/full      a full fine-tuning run's sync: the fp32 master params cast and converted into the engine's
                 layout (`EngineWeights.update_weights`)
   jax/merge     a LoRA run's sync: W + A @ B * alpha / r for every target (`lora.merge_adapters`, fp32 maths,

@@ -1,4 +1,4 @@
-"""The memory matrix (section `memory`): the trainer's memory check (trainer/memory_check.py) on each preset x
+"""The memory matrix (section `memory`): the trainer's memory check (trainer/memory/check.py) on each preset x
 fine-tuning (full, LoRA) x remat setting of the seed-shaped GRPO step, before any work.
 
 Each cell builds the run's states as shapes and compiles its step's programs, as `TrainerWorker` does before
@@ -32,9 +32,9 @@ MATRIX = "qwen2p5_1p5b,qwen2p5_7b,qwen3_8b,llama3p1_8b,qwen2p5_14b"
          defaults={"train_presets": MATRIX, "token_budget": 16384, "lora_rank": 32, "prompts_per_gpu": 128})
 def memory(opts):
     from jaxrl_llm.errors import DeviceMemoryError
-    from jaxrl_llm.trainer import memory_check
-    from jaxrl_llm.trainer.model_load import model_config
-    from jaxrl_llm.trainer.worker import TrainerWorker
+    from jaxrl_llm.trainer.memory import check as memory_check
+    from jaxrl_llm.trainer.roles.model_load import model_config
+    from jaxrl_llm.trainer.roles.worker import TrainerWorker
 
     def build(run, cfg):
         return TrainerWorker(run, total_steps=10, model_cfg=cfg, abstract=True)

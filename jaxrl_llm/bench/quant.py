@@ -79,8 +79,8 @@ def update_step(cfg, base, kind, spec, budget: int, seq: int):
     from jaxrl_llm.bench.workload import synthetic_batch
     from jaxrl_llm.trainer import steps
     from jaxrl_llm.trainer.batch import PackShape, build_micro_batch
-    from jaxrl_llm.trainer.model_state import ModelState
-    from jaxrl_llm.trainer.optim import make_optimizer
+    from jaxrl_llm.trainer.roles.model_state import ModelState
+    from jaxrl_llm.trainer.roles.optim import make_optimizer
 
     tx, _ = make_optimizer(1e-5, total_steps=10)
     mesh = sharding.make_mesh(fsdp=1, tensor=1)

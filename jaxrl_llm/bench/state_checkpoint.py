@@ -31,7 +31,7 @@ from jaxrl_llm.bench.workload import dir_bytes, make_run
 @section("checkpoint", help="save (the step's wait, then the async write) and restore of the trainer's full state",
          defaults={"train_presets": "qwen2p5_7b", "repeats": 2, "remat": "full"}, mem_fraction=TRAINER_MEM_FRACTION)
 def checkpoint_section(opts):
-    from jaxrl_llm.trainer.worker import TrainerWorker
+    from jaxrl_llm.trainer.roles.worker import TrainerWorker
 
     for preset in [opts.small_preset] if opts.small else opts.train_presets.split(","):
         run = make_run(preset, prompts=8, n=2, mini=8, budget=2048, remat=opts.remat.split(",")[0],

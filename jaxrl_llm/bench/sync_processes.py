@@ -66,7 +66,7 @@ def sync_processes(opts):
     from jaxrl_llm import distributed, sharding
     from jaxrl_llm.models import PRESETS, init_params
     from jaxrl_llm.rollout.weight_sync import WeightSync
-    from jaxrl_llm.trainer.channel import Channel
+    from jaxrl_llm.trainer.processes.channel import Channel
 
     if jax.process_count() != 2:
         raise ValueError(f"sync_processes runs in 2 processes (a training one, then a rollout one), not "

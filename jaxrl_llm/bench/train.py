@@ -54,7 +54,7 @@ def train(presets, small: bool, remat_list):
     from jaxrl_llm.algorithms import LossNorm
     from jaxrl_llm.trainer.batch import PackShape, build_micro_batch
     from jaxrl_llm.trainer.packing import padded_tokens, plan_packing
-    from jaxrl_llm.trainer.worker import TrainerWorker
+    from jaxrl_llm.trainer.roles.worker import TrainerWorker
 
     peak_meas = CEILINGS["matmul_tflops"] or 790.0  # PEERS.md: 774-787 TFLOP/s on the lent H200
     peer_shapes = {"qwen2p5_0p5b": (32, 512), "qwen2p5_1p5b": (16, 512), "qwen2p5_7b": (16, 512), "tiny": (8, 64)}
@@ -148,6 +148,8 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
         lora_alpha: float = 64.0, base_quantization: str = "none", prompts_per_gpu: int = 128,
         lever_settings: dict | None = None, mini_batches: int = 4):
     from jaxrl_llm.trainer.loop import RLTrainer
+    from jaxrl_llm.trainer.roles.handles import traced
+    from jaxrl_llm.trainer.roles.protocols import WorkerRole
 
     for preset in presets:
         # The seed run's per-GPU share (128 prompts x 5, or `prompts_per_gpu` x 5) times the devices in the mesh.
@@ -164,7 +166,7 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
         trainer = RLTrainer(run)
         if jax.process_index() == 0:
             print(f"  RLTrainer built in {time.perf_counter() - t_init:.1f}s", flush=True)
-        engine = trainer.worker.obj.engine
+        engine = trainer.engine  # the engine role: its generate caps each row at a drawn length
         generate = engine.generate
         draws = iter(range(1000))
 
@@ -175,20 +177,15 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
             return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens, **kw)
 
         engine.generate = capped
-        role_call = trainer.worker.call
 
-        def traced_call(method, *a, role_call=role_call, **kw):  # progress on stdout: where a slow step is
-            t = time.perf_counter()
-            out = role_call(method, *a, **kw)
+        def progress(method: str, seconds: float) -> None:  # on stdout: where a slow step is
             if jax.process_index() == 0 and method not in ("forward_passes_ready",):
-                print(f"  [{time.strftime('%H:%M:%S')}] {method} {time.perf_counter() - t:.1f}s", flush=True)
-            return out
+                print(f"  [{time.strftime('%H:%M:%S')}] {method} {seconds:.1f}s", flush=True)
 
-        trainer.worker.call = traced_call
-        worker = trainer.worker.obj
-        if worker.memory is not None and worker.memory.limit:  # XLA's account of the step's programs, per device
-            for row in worker.memory.rows():
-                emit(section="e2e_memory", preset=preset, lora_rank=lora_rank, **row)
+        trainer.worker = traced(trainer.worker, WorkerRole, progress)
+        for row in trainer.worker.memory_rows():  # XLA's account of the step's programs, per device
+            emit(section="e2e_memory", preset=preset, lora_rank=lora_rank, **row)
+        settled = trainer.worker.describe()
         with CompileSeconds() as compiles:
             for step in range(steps):
                 compiles.reset()
@@ -198,12 +195,12 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
                 keep = {k: v for k, v in m.items() if k.startswith(("timing_s/", "perf/")) or k in (
                     "response_length/mean", "response_length/max", "prompt_length/mean", "actor/grad_norm",
                     "actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/score/mean")}
-                mesh = "x".join(f"{k}{v}" for k, v in trainer.worker.obj.mesh.shape.items() if v > 1) or "1"
-                pool = {f"kv/{k}": v for k, v in getattr(engine, "last_stats", {}).items()
+                mesh = "x".join(f"{k}{v}" for k, v in settled["mesh"].items() if v > 1) or "1"
+                pool = {f"kv/{k}": v for k, v in engine.stats().items()
                         if k in ("num_pages", "kv_bytes", "preemptions", "row_steps", "tokens", "budget_source")}
-                emit(section="e2e", preset=preset, mesh=mesh, remat=remat, remat_used=worker.cfg.remat,
+                emit(section="e2e", preset=preset, mesh=mesh, remat=remat, remat_used=settled["remat"],
                      **(lever_settings or {}), mini_batches=mini_batches,
-                     fused=worker.run.rollout.fuse_log_prob_passes, on_policy=worker.on_policy,
+                     fused=settled["fused"], on_policy=settled["on_policy"],
                      lora_rank=lora_rank, base_quantization=base_quantization,
                      decode_attention=decode_attention, step=step,
                      kv_cache=kv_cache, device_peak_gb=device_gb(), **pool, devices=n_dev,
@@ -221,7 +218,7 @@ def profile_update(opts):
     what the worker did not build ahead), times the second of each, then traces one more of each and sorts the
     trace's time into matmul, attention, collectives (exposed, overlapped), elementwise and norms, the
     optimizer and the gaps between kernels (`trace.sort_trace`)."""
-    from jaxrl_llm.trainer.worker import TrainerWorker
+    from jaxrl_llm.trainer.roles.worker import TrainerWorker
 
     preset = "tiny" if opts.small else opts.train_presets.split(",")[0]
     n_dev = jax.device_count() if opts.fsdp == -1 else opts.fsdp * opts.tensor

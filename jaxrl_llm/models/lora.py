@@ -4,7 +4,7 @@ The adapter of a linear layer with kernel W [in, out] is lora_a [in, r] and lora
 computes x @ W + (x @ lora_a) @ lora_b * alpha / r (PEFT's LoRA without dropout, `qwen2.Linear`). The
 adapters live in the model's params tree beside the kernels they adapt, stacked over layers like them
 (`model.layers.self_attn.q_proj.lora_a` [L, in, r]), so `nnx.merge` with a LoRA config runs them.
-Everything here is pure; the trainer decides which leaves train (`trainer/model_state.py`).
+Everything here is pure; the trainer decides which leaves train (`trainer/roles/model_state.py`).
 
 Where an adapter can sit depends on the layer's kind (`layer_modules`), with PEFT's module names:
 

@@ -18,7 +18,7 @@ and recomputes the rest from the layer's input (which the scan keeps under every
 
 At Qwen2.5-7B (bf16, D 3,584, F 18,944, kv 512) the kept values are 7 KB (full: the layer input), 14 KB,
 31 KB, 69 KB and 107 KB a token and layer: at 15,360 tokens a device and 28 layers 3, 6, 13, 30 and 46 GB.
-`model.remat = 'auto'` (trainer/memory_check.py) takes the first of `AUTO_LADDER` whose compiled update fits.
+`model.remat = 'auto'` (trainer/memory/check.py) takes the first of `AUTO_LADDER` whose compiled update fits.
 
 cuDNN's attention is a custom call whose forward outputs (the output and the softmax statistics its backward
 reads) are saved by primitive rather than by name, by every policy but "full": keeping its output alone would
@@ -75,7 +75,7 @@ def remat_policy(name: str):
 def saved_values_per_layer(cfg, name: str) -> int:
     """Values a token keeps on the device in one attention layer for the backward pass under `name` (the layer
     input included; the softmax statistics, fp32, as two values a head). "none" keeps at least what "dots"
-    keeps. (A Qwen3.5's Gated DeltaNet layers carry no tags: trainer/memory.py counts them.)"""
+    keeps. (A Qwen3.5's Gated DeltaNet layers carry no tags: trainer/memory/estimate.py counts them.)"""
     d, f, q, kv = cfg.hidden_size, cfg.active_intermediate_size, cfg.q_dim, cfg.kv_dim
     stats = 2 * cfg.num_attention_heads
     q_out = q * (2 if cfg.is_hybrid else 1)  # Qwen3.5's q_proj makes the output gate too

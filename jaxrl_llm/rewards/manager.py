@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.ray_cluster import local_ray_config
 from jaxrl_llm.rewards.errors import RewardConfigError, RewardError
 from jaxrl_llm.rewards.registry import registered_rewards, registry_snapshot
 from jaxrl_llm.rewards.scoring import RewardWorker, SampleResult, resolve_reward_fn, score_samples
@@ -105,8 +106,6 @@ class RewardManager:
 
         if not ray.is_initialized():
             log.info("RewardManager: starting a local Ray instance for %d reward workers", self.num_workers)
-            from jaxrl_llm.trainer.roles import local_ray_config
-
             ray.init(num_cpus=max(1, int(self.num_workers * num_cpus + 0.999)), include_dashboard=False,
                      _system_config=local_ray_config())
             self._owns_ray = True

@@ -23,7 +23,7 @@ from collections import deque
 
 import numpy as np
 
-from jaxrl_llm.rollout.scheduler import Row
+from jaxrl_llm.rollout.rows import Row
 
 
 def cost(group: list[Row]) -> int:

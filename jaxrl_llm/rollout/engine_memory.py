@@ -160,7 +160,7 @@ class EngineMemory:
         """The largest programs a shard runs, each with the bytes a device needs while it runs (beyond the
         trainer's states), from XLA's compiled memory analysis: the engine's weights and a KV pool that serves
         one longest row (`max_model_len`) are its inputs, plus its new outputs and temporaries. The trainer's
-        memory check (trainer/memory_check.py) holds them against the device before the first step. Programs:
+        memory check (trainer/memory/check.py) holds them against the device before the first step. Programs:
         decode over the top slot bucket (`max_num_seqs`), the longest fresh prefill and the continuation one."""
         from jaxrl_llm.rollout import paged_decode
         from jaxrl_llm.rollout.base import SamplingParams

@@ -55,7 +55,8 @@ from jaxrl_llm.rollout.ladders import Ladders, pow2
 from jaxrl_llm.rollout.page_pool import pages_for
 from jaxrl_llm.rollout.programs import Programs, default_dir
 from jaxrl_llm.rollout.routing import routed_experts_of_rows
-from jaxrl_llm.rollout.scheduler import Row, RowStore, slot_ladder, slot_width
+from jaxrl_llm.rollout.rows import Row, RowStore
+from jaxrl_llm.rollout.scheduler import slot_ladder, slot_width
 from jaxrl_llm.rollout.shard import Shard
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl_llm.rollout.scheduler import Row
+from jaxrl_llm.rollout.rows import Row
 
 
 def record_routes(row: Row, start: int, routes: np.ndarray) -> None:

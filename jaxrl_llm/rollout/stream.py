@@ -27,7 +27,7 @@ from jaxrl_llm.rollout.base import RolloutError, SamplingParams
 from jaxrl_llm.rollout.dealer import Dealer
 from jaxrl_llm.rollout.engine_weights import row_budgets
 from jaxrl_llm.rollout.jax_engine import JaxEngine, key_data, make_rows
-from jaxrl_llm.rollout.scheduler import Row, RowStore
+from jaxrl_llm.rollout.rows import Row, RowStore
 
 
 @dataclasses.dataclass

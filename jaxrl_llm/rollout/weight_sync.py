@@ -29,13 +29,13 @@ merges layer by layer (`EngineWeights._to_engine`, `quant.plain_layer`).
 Inside a sync, `no_host_copies()` makes any host round trip an error (`guard=True`), so a layout that JAX would
 move through the host fails loudly instead of taking 30x longer.
 
-*Across processes* (an async run whose rollout side is a process of its own, trainer/placement.py) each side makes
-a WeightSync with its `side`: 'send' on the training processes, 'receive' on the rollout's. Both run the same
-sync, step for step: the programs on the training devices run where those devices are (the receiver passes over
-them with the outputs' shapes), the programs on the rollout devices likewise, and each bucket's copies are one
-program over both sides' devices (rollout/union_copy.py: XLA collective-permutes, NCCL on GPUs). The receiver
-holds ghosts of the trainer's tree (`jax.ShapeDtypeStruct`s with the training shardings), sent as metadata
-(`plan_of` / `portable`: shapes, dtypes, device ids, specs); nothing else crosses but the shards.
+*Across processes* (an async run whose rollout side is a process of its own, trainer/processes/placement.py) each side
+makes a WeightSync with its `side`: 'send' on the training processes, 'receive' on the rollout's. Both run the same
+sync, step for step: the programs on the training devices run where those devices are (the receiver passes over them
+with the outputs' shapes), the programs on the rollout devices likewise, and each bucket's copies are one program over
+both sides' devices (rollout/union_copy.py: XLA collective-permutes, NCCL on GPUs). The receiver holds ghosts of the
+trainer's tree (`jax.ShapeDtypeStruct`s with the training shardings), sent as metadata (`plan_of` / `portable`: shapes,
+dtypes, device ids, specs); nothing else crosses but the shards.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class WeightSync:
         return combine(self._base, out)
 
     def from_model_state(self, actor) -> dict:
-        """What `engine.update_weights` takes for a `ModelState` (trainer/model_state.py): full fine-tuning, its
+        """What `engine.update_weights` takes for a `ModelState` (trainer/roles/model_state.py): full fine-tuning, its
         params (fp32 masters, cast in buckets on the training devices); LoRA, its adapters joined with the
         frozen base, which moves at the first call only."""
         if actor.lora is None:

@@ -4,7 +4,7 @@ A pass (an update's mini-batch, or the log-prob passes over the batch) has a ful
 token budget: R rows a device of L tokens (`TrainerWorker.pack_shape`). The ladder (`actor.tail_shapes` =
 depth) adds smaller shapes of ceil(R / 2^j) rows a device, j < depth (R = 10, depth 4: 10, 5, 3, 2). Every
 shape a run can meet is on it, fixed by the config before the first step, so the warm-up builds them all
-ahead and no later step compiles (`trainer/warm_programs.py`).
+ahead and no later step compiles (`trainer/memory/warm_programs.py`).
 
 `plan_packing` chooses the micro-batches of one pass. Its capacity comes first: the rows a device the tokens
 fill (were the packing perfect), covered by ladder shapes with the fewest rows in all, a micro-batch costing

@@ -1,6 +1,6 @@
 """A rollout in the trainer's layout: `build_train_batch` turns an engine's `RolloutBatch` (or the agent
 loop's `AgentBatch`) into a response-layout `TrainBatch`, `response_items` gives each response its dataset
-row, and `Rollout` holds one prompt batch's responses before scoring."""
+row, and `Rollout` holds one prompt batch's responses as a rollouter hands them to the loop."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import numpy as np
 from jaxrl_llm.rollout import RolloutBatch
 from jaxrl_llm.trainer import router_replay
 from jaxrl_llm.trainer.batch import TrainBatch
+from jaxrl_llm.trainer.dynamic_sampling import ScoredDraw
+from jaxrl_llm.trainer.metrics import Timer
 
 
 def build_train_batch(prompts: list[dict], rollout: RolloutBatch, max_response_length: int,
@@ -62,10 +64,24 @@ def response_items(prompts: list[dict], rollout: RolloutBatch) -> list[dict]:
 
 @dataclasses.dataclass
 class Rollout:
-    """One prompt batch's responses before scoring: `items[i]` is the dataset row response i answers;
-    `greedy` / `greedy_items` the greedy response of each prompt (REMAX's baseline), else None."""
+    """One prompt batch's responses, as a rollouter hands them to the loop.
+
+    Attributes:
+      batch: the responses; `items[i]` is the dataset row response i answers.
+      greedy / greedy_items: the greedy response of each prompt (REMAX's baseline), else None.
+      prompts: the prompt batch (a `PromptBatch` carries the epoch it was drawn in).
+      timer: the step's clock so far: what producing the batch counted toward the step (the synchronous
+        rollouter's generation; nothing where the rollout side runs beside the trainer).
+      metrics: the rollouter's figures of this batch (staleness, the seconds waited for it, dynamic sampling's).
+      scored: the batch scored already (dynamic sampling knows its batch only after scoring), else None: the loop
+        scores it while the device runs the step's passes.
+    """
 
     batch: TrainBatch
     items: list[dict]
     greedy: TrainBatch | None = None
     greedy_items: list[dict] | None = None
+    prompts: list[dict] | None = None
+    timer: Timer = dataclasses.field(default_factory=Timer)
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    scored: ScoredDraw | None = None

@@ -8,7 +8,7 @@ import pytest
 from jaxrl_llm.bench.gen import workload
 from jaxrl_llm.bench.workload import long_lengths, seed_response_lengths
 from jaxrl_llm.rollout.dealer import deal
-from jaxrl_llm.rollout.scheduler import Row, RowStore
+from jaxrl_llm.rollout.rows import Row, RowStore
 
 
 def _groups(prompts, lens, n):

@@ -160,7 +160,7 @@ def test_grpo_step_with_the_kernel_equals_xla(tmp_path):
         trainer = RLTrainer(runs.run_config("train.driver='inprocess'", f"rollout.decode_attention='{impl}'",
                                             "model.dtype='float32'", steps=1, run_dir=tmp_path / impl))
         metrics[impl] = trainer.train_step(next(trainer.iterator), 0)
-        trainer.worker.call("close_checkpointer")
+        trainer.worker.close_checkpointer()
     want = {k: v for k, v in metrics["xla"].items() if k.startswith(("actor/", "critic/", "response_length/"))}
     assert want
     for k, v in want.items():

@@ -120,7 +120,7 @@ def test_bad_settings_fail_with_one_error_naming_the_key():
 
 def test_the_run_config_rejects_a_quantized_base_without_lora():
     from jaxrl_llm.trainer.config import ModelConfig
-    from jaxrl_llm.trainer.config_check import ConfigValueError
+    from jaxrl_llm.trainer.config.check import ConfigValueError
 
     ModelConfig(preset="tiny", lora_rank=4, base_quantization="fp8").validate()
     with pytest.raises(ConfigValueError, match=r"model.base_quantization='int8'.*lora_rank"):

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxrl_llm.models import PRESETS, init_model
 from jaxrl_llm.models.remat import AUTO_LADDER, POLICIES, remat_policy
-from jaxrl_llm.trainer.memory import choose_remat, estimate_step_bytes
+from jaxrl_llm.trainer.memory.estimate import choose_remat, estimate_step_bytes
 
 
 def test_every_policy_gives_the_same_loss_and_gradients():
@@ -105,7 +105,7 @@ def test_dots_counts_the_adapters_matmul_outputs():
     left out the adapters' own saved outputs (x·A and (x·A)·B of 7 modules a layer). Counted, "dots" needs
     about that 91 GB and `auto` starts lower on the H100 (at "mlp_gate", which keeps no adapter output)."""
     from jaxrl_llm.models.lora import LoraSpec, num_adapter_params, resolve_targets
-    from jaxrl_llm.trainer.memory import lora_outputs_per_token, saved_bytes_per_token
+    from jaxrl_llm.trainer.memory.estimate import lora_outputs_per_token, saved_bytes_per_token
 
     c7 = PRESETS["qwen2p5_7b"]()
     spec = LoraSpec(rank=32, alpha=64.0, targets=resolve_targets("all-linear"))

@@ -127,8 +127,7 @@ def test_replay_is_the_same_sharded_over_the_expert_axis():
 
 
 def test_r3_with_multi_turn_is_one_clear_error():
-    from jaxrl_llm.trainer.config import ConfigValueError
-    from jaxrl_llm.trainer.router_replay import RouterReplaySettings
+    from jaxrl_llm.trainer.config import ConfigValueError, RouterReplaySettings
 
     with pytest.raises(ConfigValueError, match="multi_turn.enable"):
         RouterReplaySettings(mode="R3").validate("jax", multi_turn=True)

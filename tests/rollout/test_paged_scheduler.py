@@ -14,16 +14,8 @@ from hypothesis import strategies as st
 
 from jaxrl_llm.rollout import page_pool
 from jaxrl_llm.rollout.page_pool import KvBudget, PagePool, kv_bytes_per_token, pages_for, size_pool
-from jaxrl_llm.rollout.scheduler import (
-    ListSource,
-    Plan,
-    Row,
-    RowStore,
-    Scheduler,
-    slot_bucket,
-    slot_bucket_below,
-    slot_ladder,
-)
+from jaxrl_llm.rollout.rows import ListSource, Row, RowStore
+from jaxrl_llm.rollout.scheduler import Plan, Scheduler, slot_bucket, slot_bucket_below, slot_ladder
 
 
 def fake_token(rid: int, t: int) -> int:

@@ -16,7 +16,8 @@ from jaxrl_llm.rollout import shard as shard_mod
 from jaxrl_llm.rollout.dealer import Dealer, deal
 from jaxrl_llm.rollout.ladders import ATTN_BYTES, Ladders
 from jaxrl_llm.rollout.programs import _load_on
-from jaxrl_llm.rollout.scheduler import PrefillTask, Row, RowStore
+from jaxrl_llm.rollout.rows import Row, RowStore
+from jaxrl_llm.rollout.scheduler import PrefillTask
 
 
 def rows_of(prompt_lens: list[int], n: int, budget) -> list[list[Row]]:
@@ -251,9 +252,9 @@ def test_later_calls_with_longer_rows_compile_no_engine_program(model, lengths):
 def test_the_engine_reports_its_largest_programs_from_xla_and_the_check_refuses_one_that_cannot_fit(model):
     """`memory_report` compiles the widest decode segment and the longest prefills and returns what a device needs
     while each runs (weights, a pool for one longest row, outputs, temporaries); split over tensor 2, a device
-    needs less. The trainer's check (trainer/memory_check.py) refuses the program that does not fit its limit."""
+    needs less. The trainer's check (trainer/memory/check.py) refuses the program that does not fit its limit."""
     from jaxrl_llm.errors import DeviceMemoryError
-    from jaxrl_llm.trainer.memory_check import MemoryPlan
+    from jaxrl_llm.trainer.memory.check import MemoryPlan
 
     cfg, params = model
     kw = dict(dtype="float32", page_size=4, max_num_seqs=64, max_prompt_length=32, max_model_len=64)

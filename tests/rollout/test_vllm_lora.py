@@ -68,7 +68,7 @@ def test_lora_run_syncs_adapters_to_vllm_and_vllm_decodes_as_the_jax_engine(tmp_
 
     trainer = RLTrainer(runs.run_config("rollout.engine='vllm'", "train.driver='inprocess'", VLLM_MODEL, *LORA,
                                         run_dir=tmp_path / "run"))
-    pool, weights, worker = trainer.pool, trainer.weights_dir, trainer.worker.obj
+    pool, weights, worker = trainer.engine.pool, trainer.engine.weights_dir, trainer.worker
     engine = JaxEngine(worker.cfg, dtype="float32", max_prompt_length=8)  # one engine, compiled once
     adapters_dir = os.path.join(weights, "adapters")
     try:
@@ -82,7 +82,7 @@ def test_lora_run_syncs_adapters_to_vllm_and_vllm_decodes_as_the_jax_engine(tmp_
         for version, seed in ((1, 1), (2, 2)):
             worker.actor.state = {**worker.actor.state,
                                   "params": combine(worker.actor.state["params"], _strong_adapters(worker, seed))}
-            trainer.sync_weights(version)
+            trainer.engine.sync(version)
             assert pool.version == version and pool.base_version == 0
             assert sorted(os.listdir(weights)) == ["0", "adapters"] and os.listdir(adapters_dir) == [str(version)]
             assert pool._ray.get(pool.actors[0].loaded_adapters.remote()) == [version + 1]  # the old one left
@@ -99,4 +99,4 @@ def test_lora_run_syncs_adapters_to_vllm_and_vllm_decodes_as_the_jax_engine(tmp_
             pool.update_adapter(weights, step=4)
     finally:
         pool.shutdown()
-        trainer.worker.call("close_checkpointer")
+        trainer.worker.close_checkpointer()

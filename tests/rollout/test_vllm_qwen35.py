@@ -28,7 +28,7 @@ def test_the_pool_refuses_a_qwen35_with_one_error_naming_rollout_engine(tmp_path
 
 
 def test_a_run_on_the_vllm_pool_with_a_qwen35_fails_before_any_weights_load(tmp_path):
-    from jaxrl_llm.trainer.worker import TrainerWorker
+    from jaxrl_llm.trainer.roles.worker import TrainerWorker
     from tests.trainer import runs
 
     run = runs.run_config("model.preset='tiny_qwen35'", "rollout.engine='vllm'", run_dir=tmp_path)

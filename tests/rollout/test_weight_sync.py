@@ -19,8 +19,8 @@ from jaxrl_llm.models.lora import LoraSpec, combine, is_adapter, partition, reso
 from jaxrl_llm.models.params import param_shardings
 from jaxrl_llm.rollout import JaxEngine, SamplingParams
 from jaxrl_llm.rollout.weight_sync import SyncError, WeightSync, no_host_copies
-from jaxrl_llm.trainer.model_state import ModelState
-from jaxrl_llm.trainer.optim import make_optimizer
+from jaxrl_llm.trainer.roles.model_state import ModelState
+from jaxrl_llm.trainer.roles.optim import make_optimizer
 from tests.hf_models import make_hf_model
 
 # Widths that 2, 3 and 4 divide, so fsdp 3 and 4 split them; 3 layers, so buckets of 1 layer leave a remainder.

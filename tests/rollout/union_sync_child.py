@@ -15,7 +15,7 @@ import numpy as np
 from jaxrl_llm import distributed, sharding
 from jaxrl_llm.models import init_params
 from jaxrl_llm.rollout.weight_sync import WeightSync, no_host_copies
-from jaxrl_llm.trainer.channel import Channel
+from jaxrl_llm.trainer.processes.channel import Channel
 from tests.rollout.test_weight_sync import BUCKET, CFG
 
 CASES = {  # name: (rollout mesh (data, fsdp, tensor), the trainer's param dtype)

@@ -13,10 +13,11 @@ def host(tree):
 def check_the_engine_decodes_with_the_adapters(w, trainer, run, prompts, *, atol: float = 0.0) -> None:
     """After a sync the engine's weights are the base with the adapters merged in (to `atol`), and its
     log-probs of what it samples are the trainer's under the adapters, not the base's."""
-    w.sync_rollout_weights(1)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=atol, rtol=0), host(w.engine.params),
-                 host(w.engine._convert(w.actor.merged())))
-    rollout = w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(1))
+    engine = trainer.engine
+    engine.sync(1)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=atol, rtol=0), host(engine.sampler.params),
+                 host(engine.sampler._convert(w.actor.merged())))
+    rollout = engine.generate([p["prompt_ids"] for p in prompts], trainer.sampling(1))
     batch = build_train_batch(prompts, rollout, run.data.max_response_length)
     now, base = w.compute_log_prob(batch)["old_log_prob"], w.compute_ref_log_prob(batch)
     np.testing.assert_allclose(now, batch.fields["rollout_log_probs"] * batch.response_mask, atol=1e-5)

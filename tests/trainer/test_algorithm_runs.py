@@ -46,7 +46,7 @@ def _run(tmp_path, *params, steps=2):
     out = []
     for step in range(steps):
         out.append(trainer.train_step(next(trainer.iterator), step))
-    trainer.worker.call("close_checkpointer")
+    trainer.worker.close_checkpointer()
     return out
 
 

@@ -1,4 +1,4 @@
-"""Asynchronous training on split devices (trainer/async_trainer.py): the config's refusals, the on-policy check
+"""Asynchronous training on split devices (trainer/rollouters/): the config's refusals, the on-policy check
 (fully async with no staleness and a sync every step trains exactly as the synchronous trainer), one step off
 policy killed and resumed exactly, fully async with partial rollouts (K/V kept or recomputed) running and
 learning, and the one-step-off demo learning."""
@@ -8,7 +8,7 @@ import pytest
 
 from jaxrl_llm.errors import ConfigValueError
 from jaxrl_llm.train import UsageError
-from jaxrl_llm.trainer.placement import split_devices
+from jaxrl_llm.trainer.processes.placement import split_devices
 from tests.trainer import runs
 from tests.trainer.test_demo import _demo
 
@@ -99,16 +99,16 @@ def test_lora_moves_its_frozen_base_to_the_rollout_devices_once(tmp_path):
     after moves the adapters alone. A closed trainer leaves the rollout devices empty."""
     import jax
 
-    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+    from jaxrl_llm.trainer.loop import RLTrainer
 
-    trainer = AsyncRLTrainer(runs.run_config(*ONE_STEP_OFF, "model.lora_rank=8", "model.target_modules='all-linear'",
+    trainer = RLTrainer(runs.run_config(*ONE_STEP_OFF, "model.lora_rank=8", "model.target_modules='all-linear'",
                                              "train.save_freq=-1", steps=1, run_dir=str(tmp_path)))
-    worker, engine = trainer.worker.obj, trainer.engine
-    sync = worker._weight_sync
+    worker, engine = trainer.worker, trainer.engine.sampler
+    sync = trainer.engine.weight_sync
     base_bytes = sum(x.nbytes for x in jax.tree.leaves(worker.actor.frozen))
     assert engine._sync is None and sync.base_stats.bytes == base_bytes
     base = sync._base
-    trainer.sync_weights(1)
+    trainer.engine.sync(1)
     assert sync._base is base and 0 < sync.stats.bytes < base_bytes / 4
     rollout_devices = set(engine.mesh.devices.flat)
     del base
@@ -155,10 +155,10 @@ def test_a_rollout_side_that_dies_stops_the_run_with_one_error(tmp_path, mode, m
     by the CLI), and the run's threads stop."""
     from jaxrl_llm.rollout import RolloutError
     from jaxrl_llm.rollout.stream import RolloutStream
-    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+    from jaxrl_llm.trainer.loop import RLTrainer
 
     params = ONE_STEP_OFF if mode == "one_step_off" else FULLY
-    trainer = AsyncRLTrainer(runs.run_config(*params, "train.save_freq=-1", steps=4, run_dir=str(tmp_path)))
+    trainer = RLTrainer(runs.run_config(*params, "train.save_freq=-1", steps=4, run_dir=str(tmp_path)))
     calls = []
     if mode == "one_step_off":
         real = trainer.engine.generate
@@ -179,7 +179,8 @@ def test_a_rollout_side_that_dies_stops_the_run_with_one_error(tmp_path, mode, m
         match = "the rollout stream failed: RuntimeError: device lost"
     with pytest.raises(RolloutError, match=match):
         trainer.fit()
-    assert trainer._stream is None and (trainer._rollouter is None or not trainer._rollouter.is_alive())
+    ro = trainer.rollouter
+    assert getattr(ro, "_stream", None) is None and (getattr(ro, "_feeder", None) is None or not ro._feeder.is_alive())
 
 
 def test_one_step_off_rollout_idle_ratio_is_measured_on_the_step_itself(tmp_path, monkeypatch):
@@ -189,9 +190,9 @@ def test_one_step_off_rollout_idle_ratio_is_measured_on_the_step_itself(tmp_path
     1's wall, and read step 1 as mostly idle.)"""
     import time
 
-    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+    from jaxrl_llm.trainer.loop import RLTrainer
 
-    trainer = AsyncRLTrainer(runs.run_config(*ONE_STEP_OFF, "train.save_freq=-1", steps=3, run_dir=str(tmp_path)))
+    trainer = RLTrainer(runs.run_config(*ONE_STEP_OFF, "train.save_freq=-1", steps=3, run_dir=str(tmp_path)))
     real, calls = trainer.engine.generate, []
 
     def generate(*a, **k):
@@ -217,9 +218,9 @@ def test_fully_async_drops_samples_past_the_staleness_bound(tmp_path):
     """max_version_lag 0 with a rollout allowed a step ahead (staleness_threshold 1): the groups of batch 1, generated
     by version 0 while step 1 trained, are a version behind at step 2, so they are dropped (and counted) and their
     place goes to fresh prompts; no step trains on a token older than its weights."""
-    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+    from jaxrl_llm.trainer.loop import RLTrainer
 
-    trainer = AsyncRLTrainer(runs.run_config(*FULLY, "async_training.staleness_threshold=1.0",
+    trainer = RLTrainer(runs.run_config(*FULLY, "async_training.staleness_threshold=1.0",
                                              "async_training.max_version_lag=0", "train.save_freq=-1", steps=3,
                                              run_dir=str(tmp_path)))
     trainer.fit()
@@ -236,9 +237,9 @@ def test_fully_async_with_rollout_correction_weighs_the_stale_samples(tmp_path):
     the sampler's log-probs (algorithm.rollout_correction): every step trains with finite weights, and the
     sampler-trainer divergence the weights correct is rounding at the on-policy first step and real once stale
     samples meet weights an update has moved (step 1's update has no signal at chance: step 3's samples)."""
-    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+    from jaxrl_llm.trainer.loop import RLTrainer
 
-    trainer = AsyncRLTrainer(runs.run_config(*FULLY, "async_training.staleness_threshold=1.0",
+    trainer = RLTrainer(runs.run_config(*FULLY, "async_training.staleness_threshold=1.0",
                                              "algorithm.rollout_correction.rollout_is='token'",
                                              "algorithm.rollout_correction.rollout_is_threshold=2.0",
                                              "train.save_freq=-1", steps=3, run_dir=str(tmp_path)))
@@ -259,28 +260,28 @@ def test_fully_async_stopped_and_resumed_trains_exactly_as_uninterrupted(tmp_pat
     in flight (their tokens so far) and the prompts drawn but not submitted. A run that dies in step 3, once the
     checkpoint of step 2 has committed, resumes and trains steps 3 and 4 exactly as an uninterrupted run (on
     policy: staleness 0, so which groups a step takes does not depend on timing)."""
-    from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
+    from jaxrl_llm.trainer.loop import RLTrainer
 
     params = (*FULLY, "train.save_freq=1")
 
     def trainer(name):
-        return AsyncRLTrainer(runs.run_config(*params, steps=4, run_dir=str(tmp_path / name)))
+        return RLTrainer(runs.run_config(*params, steps=4, run_dir=str(tmp_path / name)))
 
     trainer("reference").fit()
-    step = AsyncRLTrainer.step
+    step = RLTrainer.step
 
     def dies_in_step_3(self, k):
         if k == 2:
-            self.worker.call("wait_checkpoint")  # checkpoint 2 committed, as before a SIGKILL in step 3
+            self.worker.wait_checkpoint()  # checkpoint 2 committed, as before a SIGKILL in step 3
             raise RuntimeError("killed in step 3")
         return step(self, k)
 
-    monkeypatch.setattr(AsyncRLTrainer, "step", dies_in_step_3)
+    monkeypatch.setattr(RLTrainer, "step", dies_in_step_3)
     with pytest.raises(RuntimeError, match="killed in step 3"):
         trainer("killed").fit()
-    monkeypatch.setattr(AsyncRLTrainer, "step", step)
+    monkeypatch.setattr(RLTrainer, "step", step)
     resumed = trainer("killed")
-    assert resumed.global_step == 2 and resumed._saved is not None
+    assert resumed.global_step == 2 and resumed.rollouter._saved is not None
     resumed.fit()
     reference, got = (runs.by_step(runs.metrics(tmp_path / d)) for d in ("reference", "killed"))
     assert sorted(got) == [1, 2, 3, 4]

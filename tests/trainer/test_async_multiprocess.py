@@ -1,4 +1,5 @@
-"""Asynchronous training over several processes (trainer/placement.py): a training process and a rollout process
+"""Asynchronous training over several processes (trainer/processes/placement.py): a training process and a rollout
+process
 joined by `jax.distributed` on CPU (gloo), each with a device of its own. They train exactly as the one-process
 async trainer does on two devices (one step off under the plain launcher, fully async under the Ray driver), the
 weights crossing by one program over both processes' devices (never a file); a split that cannot work is refused
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.errors import ConfigValueError
-from jaxrl_llm.trainer.placement import check_processes
+from jaxrl_llm.trainer.processes.placement import check_processes
 from tests.trainer import runs
 
 SPLIT = ("rollout.n_gpus_per_node=1", "train.n_gpus_per_node=1")

@@ -43,7 +43,7 @@ def test_tail_shapes_give_the_same_log_probs_and_update(tmp_path):
         prompts = next(trainer.iterator)
         rollout = trainer.generate(prompts, trainer.sampling(0))
         batch = build_train_batch(prompts, rollout, run.data.max_response_length)
-        w = trainer.worker.obj
+        w = trainer.worker
         shapes = []  # rows of every micro-batch of every mini-batch of the update
         for idx in split_mini_batches(len(batch), run.actor.ppo_mini_batch_size * run.rollout.n):
             sub = batch.select(idx)

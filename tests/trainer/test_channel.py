@@ -1,11 +1,11 @@
-"""The async run's host channel (trainer/channel.py) over a stand-in for the coordination service's key-value store:
-only a missing error key reads as "no failure"; any other failure of the store raises."""
+"""The async run's host channel (trainer/processes/channel.py) over a stand-in for the coordination service's
+key-value store: only a missing error key reads as "no failure"; any other failure of the store raises."""
 
 import pytest
 
 from jaxrl_llm.distributed import DistributedError
 from jaxrl_llm.rollout import RolloutError
-from jaxrl_llm.trainer import channel as channel_mod
+from jaxrl_llm.trainer.processes import channel as channel_mod
 
 # The statuses jax's client raises (JaxRuntimeError, a RuntimeError), as they read on jax 0.10.2.
 NOT_FOUND = ("NOT_FOUND: Config key jaxrl_llm/async/error not found.\nAdditional GRPC error information from "

@@ -3,8 +3,8 @@ before the first step: a run whose later steps pack into shapes step 0 never use
 
 import numpy as np
 
-from jaxrl_llm.trainer import worker as worker_module
 from jaxrl_llm.trainer.loop import RLTrainer
+from jaxrl_llm.trainer.roles import worker as worker_module
 from tests.trainer import runs
 
 # Rows of 32 tokens, 3 a micro-batch in the update and 6 in the log-prob pass (ladders 3, 2, 1 and 6, 3, 2); two
@@ -16,17 +16,17 @@ PARAMS = ("train.driver='inprocess'", "train.compile_ahead=True", "actor.tail_sh
 
 def test_later_steps_of_other_lengths_compile_nothing(tmp_path, monkeypatch):
     trainer = RLTrainer(runs.run_config(*PARAMS, run_dir=tmp_path / "run"))
-    w = trainer.worker.obj
+    w = trainer.worker
     assert [s.rows for s in w.pack_ladder] == [3, 2, 1] and [s.rows for s in w.fwd_ladder] == [6, 3, 2]
-    w.engine.warm_programs = True  # the sampler's programs built ahead too (its own default on a GPU)
+    trainer.engine.sampler.warm_programs = True  # the sampler's programs built ahead too (its own default on a GPU)
     # Step 0 samples 16 tokens a response (the sampler builds its programs), step 1 one.
-    caps, generate = iter([16, 1]), w.engine.generate
+    caps, generate = iter([16, 1]), trainer.engine.sampler.generate
 
     def capped(prompts, sampling, max_new_tokens_per_row=None, **kw):
         lens = np.full(len(prompts) * sampling.n, next(caps))
         return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens, **kw)
 
-    w.engine.generate = capped
+    trainer.engine.sampler.generate = capped
     shapes, plan = [], worker_module.plan_packing
 
     def recorded(lengths, ladder, shards):

@@ -13,7 +13,7 @@ import pytest
 
 from jaxrl_llm.train import UsageError, main, parse_config
 from jaxrl_llm.trainer.config import PARTS
-from jaxrl_llm.trainer.config_keys import all_keys, field_docs, hint, operative_config
+from jaxrl_llm.trainer.config.keys import all_keys, field_docs, hint, operative_config
 from tests.trainer import runs
 
 

@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm.trainer import memory_check
 from jaxrl_llm.trainer.loop import RLTrainer, build_train_batch
-from jaxrl_llm.trainer.memory_check import AUTO_SHARE, FIT_SHARE
-from jaxrl_llm.trainer.memory_programs import StepPrograms
-from jaxrl_llm.trainer.model_load import model_config
-from jaxrl_llm.trainer.worker import TrainerWorker
+from jaxrl_llm.trainer.memory import check as memory_check
+from jaxrl_llm.trainer.memory.check import AUTO_SHARE, FIT_SHARE
+from jaxrl_llm.trainer.memory.programs import StepPrograms
+from jaxrl_llm.trainer.roles.model_load import model_config
+from jaxrl_llm.trainer.roles.worker import TrainerWorker
 from tests.trainer import runs
 
 BOTH = ("train.driver='inprocess'", "actor.use_kl_loss=True", "actor.ppo_mini_batch_size=4",  # old and ref passes
@@ -22,10 +22,10 @@ BOTH = ("train.driver='inprocess'", "actor.use_kl_loss=True", "actor.ppo_mini_ba
 
 def test_one_program_gives_the_two_passes(tmp_path):
     trainer = RLTrainer(runs.run_config(*BOTH, run_dir=tmp_path / "run"))
-    w = trainer.worker.obj
+    w = trainer.worker
     assert trainer.needs_old and trainer.needs_ref and w.run.rollout.fuse_log_prob_passes
     prompts = next(trainer.iterator)
-    batch = build_train_batch(prompts, w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0)),
+    batch = build_train_batch(prompts, trainer.engine.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0)),
                               trainer.run.data.max_response_length)
     # One update first, so that the policy and the reference differ.
     batch.fields["old_log_prob"] = w.compute_log_prob(batch)["old_log_prob"]
@@ -75,7 +75,7 @@ def test_the_memory_check_keeps_the_passes_apart_where_only_that_fits():
 def test_the_step_programs_hold_no_full_fp32_logits():
     """The update's grad step and the fused log-prob pass, as the step compiles them: with a vocabulary of 8
     chunks, no [tokens, V] fp32 buffer (forward, entropy or backward) appears in either program."""
-    from jaxrl_llm.trainer.warm_programs import forward_programs, update_programs
+    from jaxrl_llm.trainer.memory.warm_programs import forward_programs, update_programs
 
     v = 4096
     run = runs.run_config(*BOTH, "actor.logprob_chunk_size=512", "actor.ppo_max_token_len_per_gpu=256",

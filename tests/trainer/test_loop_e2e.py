@@ -68,13 +68,13 @@ def test_vllm_engine_loop_survives_a_killed_actor(tmp_path):
         trainer.global_step = 1
         _check_step_metrics(m1)
         assert m1["actor/logprob_gap_mean"] < 1e-4 and m1["actor/logprob_gap_max"] < 1e-3
-        ray.kill(trainer.pool.actors[0])  # a rollout worker dies between steps
+        ray.kill(trainer.engine.pool.actors[0])  # a rollout worker dies between steps
         m2 = trainer.train_step(next(trainer.iterator), 1)
-        assert np.isfinite(m2["actor/pg_loss"]) and trainer.pool.version == 2
+        assert np.isfinite(m2["actor/pg_loss"]) and trainer.engine.pool.version == 2
         val = trainer.validate()
         assert "val-core/arithmetic/reward/mean@1" in val
     finally:
-        trainer.pool.shutdown()
+        trainer.engine.pool.shutdown()
 
 
 @pytest.mark.vllm
@@ -88,7 +88,7 @@ def test_ppo_with_vllm_engine_under_ray(tmp_path):
                           "critic.lr=1e-3", "rollout.n=1", f"rollout.weights_dir='{ram}'", steps=1,
                           run_dir=tmp_path / "ppo_vllm")
     trainer = RLTrainer(run)
-    assert trainer.weights_dir.startswith(str(ram)) and os.listdir(trainer.weights_dir) == ["0"]
+    assert trainer.engine.weights_dir.startswith(str(ram)) and os.listdir(trainer.engine.weights_dir) == ["0"]
     last = trainer.fit()
     _check_step_metrics(last, critic=True)
     assert last["timing_s/reshard"] > 0

@@ -35,14 +35,14 @@ def test_a_lora_step_moves_only_the_adapters_and_the_engine_decodes_with_them(tm
     run = runs.run_config("train.driver='inprocess'", *LORA, "actor.use_kl_loss=True",
                           f"model.base_quantization='{base}'", run_dir=tmp_path / "run")
     trainer = RLTrainer(run)
-    w = trainer.worker.obj
+    w = trainer.worker
     assert w.ref_params is w.actor.frozen  # the reference is the base without the adapters, not a copy
     if base == "int8":
         q = w.actor.frozen["model"]["layers"]["mlp"]["gate_proj"]
         assert q["kernel"].dtype == jnp.int8 and q[quant.SCALE].dtype == jnp.float32
 
     prompts = next(trainer.iterator)
-    rollout = w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0))
+    rollout = trainer.engine.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0))
     batch = build_train_batch(prompts, rollout, run.data.max_response_length)
     # Step 0: lora_b is zero, so the policy is the base (and the sampler's log-probs are the trainer's).
     old = w.compute_log_prob(batch)["old_log_prob"]
@@ -107,7 +107,7 @@ def test_kill_resume_export_and_start_from_the_adapter(tmp_path, lora_run):
     # A new run from the exported adapter starts with exactly those adapters.
     again = RLTrainer(runs.run_config("train.driver='inprocess'", *LORA, f"model.lora_adapter_path='{peft_dir}'",
                                       run_dir=tmp_path / "again"))
-    started = partition(host(again.worker.obj.actor.state["params"]), is_adapter)[0]
+    started = partition(host(again.worker.actor.state["params"]), is_adapter)[0]
     jax.tree.map(np.testing.assert_array_equal, started, host(adapters))
 
 
@@ -119,10 +119,10 @@ def test_a_lora_critic_exports_as_a_peft_adapter_with_its_head_or_merged(tmp_pat
                                         "critic.lr=1e-3", "rollout.n=1", run_dir=run_dir))
     try:
         trainer.save_checkpoint()
-        trainer.worker.call("wait_checkpoint")
+        trainer.worker.wait_checkpoint()
     finally:
-        trainer.worker.call("close_checkpointer")
-    critic = trainer.worker.obj.critic
+        trainer.worker.close_checkpointer()
+    critic = trainer.worker.critic
     peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
     assert export_main(["--checkpoint", str(run_dir), "--out", str(peft_dir), "--critic", "--dtype", "float32"]) == 0
     conf = json.loads((peft_dir / "adapter_config.json").read_text())

@@ -7,12 +7,12 @@ import jax
 import pytest
 
 from jaxrl_llm.errors import DeviceMemoryError
-from jaxrl_llm.trainer import memory_check
-from jaxrl_llm.trainer import worker as worker_module
-from jaxrl_llm.trainer.memory_check import AUTO_SHARE, FIT_SHARE, MemoryPlan, ProgramMemory
-from jaxrl_llm.trainer.memory_programs import StepPrograms, device_bytes, size
-from jaxrl_llm.trainer.model_load import model_config
-from jaxrl_llm.trainer.worker import TrainerWorker
+from jaxrl_llm.trainer.memory import check as memory_check
+from jaxrl_llm.trainer.memory.check import AUTO_SHARE, FIT_SHARE, MemoryPlan, ProgramMemory
+from jaxrl_llm.trainer.memory.programs import StepPrograms, device_bytes, size
+from jaxrl_llm.trainer.roles import worker as worker_module
+from jaxrl_llm.trainer.roles.model_load import model_config
+from jaxrl_llm.trainer.roles.worker import TrainerWorker
 from tests.trainer import runs
 
 BIG = 10**12  # a limit every program fits
@@ -121,7 +121,7 @@ def test_what_stays_resident_beside_each_program_and_the_lora_sync():
 def test_bytes_a_device_holds_follow_the_sharding():
     from jaxrl_llm import sharding
     from jaxrl_llm.models import DecoderConfig
-    from jaxrl_llm.trainer.model_state import abstract_params
+    from jaxrl_llm.trainer.roles.model_state import abstract_params
 
     cfg = DecoderConfig.tiny()
     whole = device_bytes(abstract_params(cfg, sharding.make_mesh(fsdp=1, devices=jax.devices()[:1])))
@@ -166,7 +166,7 @@ def test_the_cli_fails_before_the_first_step_with_one_line(tmp_path):
 
 
 def test_resident_state_past_the_limit_is_refused_without_compiling(monkeypatch):
-    import jaxrl_llm.trainer.memory_programs as programs
+    import jaxrl_llm.trainer.memory.programs as programs
 
     def no_compiling(*a, **k):
         raise AssertionError("resident state past the limit needs no compile")

@@ -8,12 +8,13 @@ import pytest
 
 from jaxrl_llm.errors import DeviceMemoryError
 from jaxrl_llm.models import DecoderConfig
-from jaxrl_llm.trainer import memory, memory_check
-from jaxrl_llm.trainer.memory_check import FIT_SHARE
-from jaxrl_llm.trainer.memory_programs import StepPrograms
-from jaxrl_llm.trainer.model_load import model_config
-from jaxrl_llm.trainer.warm_programs import micro_batch
-from jaxrl_llm.trainer.worker import TrainerWorker
+from jaxrl_llm.trainer.memory import check as memory_check
+from jaxrl_llm.trainer.memory import estimate as memory
+from jaxrl_llm.trainer.memory.check import FIT_SHARE
+from jaxrl_llm.trainer.memory.programs import StepPrograms
+from jaxrl_llm.trainer.memory.warm_programs import micro_batch
+from jaxrl_llm.trainer.roles.model_load import model_config
+from jaxrl_llm.trainer.roles.worker import TrainerWorker
 from tests.trainer import runs
 
 BIG = 10**12

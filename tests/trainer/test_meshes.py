@@ -26,9 +26,9 @@ def one_device(tmp_path_factory):
 def test_grpo_step_on_8_device_meshes_matches_one_device(tmp_path, one_device, layout):
     assert jax.device_count() == 8
     trainer, m = _step(tmp_path, layout, *LAYOUTS[layout])
-    mesh = trainer.worker.obj.mesh
+    mesh = trainer.worker.mesh
     assert mesh.devices.size == 8
-    q = trainer.worker.obj.actor_state["params"]["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
+    q = trainer.worker.actor_state["params"]["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
     assert len(q.sharding.device_set) == 8
     # Same data and sampling; sharded reductions only reorder float sums.
     assert m["critic/score/mean"] == one_device["critic/score/mean"]
@@ -41,12 +41,12 @@ def test_checkpoint_restores_onto_a_different_mesh(tmp_path):
     saver, _ = _step(tmp_path, "run", "train.mesh_fsdp=8")
     saver.global_step = 1
     saver.save_checkpoint()
-    saver.worker.call("wait_checkpoint")
-    saved = jax.tree.map(np.asarray, jax.device_get(saver.worker.obj.actor_state))
+    saver.worker.wait_checkpoint()
+    saved = jax.tree.map(np.asarray, jax.device_get(saver.worker.actor_state))
     restorer = RLTrainer(runs.run_config("train.driver='inprocess'", "train.mesh_fsdp=4", "train.mesh_tensor=2",
                                          steps=2, run_dir=tmp_path / "run"))
     assert restorer.global_step == 1
-    state = restorer.worker.obj.actor_state
+    state = restorer.worker.actor_state
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(jax.device_get(state))):
         np.testing.assert_array_equal(a, np.asarray(b))
     kernel = state["params"]["model"]["layers"]["mlp"]["gate_proj"]["kernel"]

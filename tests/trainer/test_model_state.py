@@ -10,8 +10,8 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm import sharding
 from jaxrl_llm.models import DecoderConfig, init_params
 from jaxrl_llm.models.lora import LoraSpec, is_adapter, resolve_targets
-from jaxrl_llm.trainer.model_state import ModelState
-from jaxrl_llm.trainer.optim import make_optimizer
+from jaxrl_llm.trainer.roles.model_state import ModelState
+from jaxrl_llm.trainer.roles.optim import make_optimizer
 from jaxrl_llm.trainer.steps import make_grad_step, make_zeros
 
 SPEC = LoraSpec(rank=4, alpha=8.0, targets=resolve_targets("all-linear"))

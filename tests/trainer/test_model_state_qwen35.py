@@ -11,8 +11,8 @@ from jaxrl_llm import sharding
 from jaxrl_llm.models import DecoderConfig, init_params, quant
 from jaxrl_llm.models.hf_table import get_path
 from jaxrl_llm.models.lora import LoraSpec, adapted_paths, resolve_targets
-from jaxrl_llm.trainer.model_state import ModelState
-from jaxrl_llm.trainer.optim import make_optimizer
+from jaxrl_llm.trainer.roles.model_state import ModelState
+from jaxrl_llm.trainer.roles.optim import make_optimizer
 
 
 def _trained(state, seed=1):

@@ -13,9 +13,8 @@ from jaxrl_llm.models import init_params
 from jaxrl_llm.rollout import JaxEngine, RolloutError, SamplingParams
 from jaxrl_llm.train import UsageError
 from jaxrl_llm.trainer.batch import TrainBatch
-from jaxrl_llm.trainer.config import ConfigValueError
+from jaxrl_llm.trainer.config import ConfigValueError, RouterReplaySettings
 from jaxrl_llm.trainer.loop import RLTrainer
-from jaxrl_llm.trainer.router_replay import RouterReplaySettings
 from tests.trainer import runs
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("ray") is not None
@@ -68,7 +67,7 @@ def test_lora_grpo_step_with_replay_on_an_expert_mesh(tmp_path):
                                   "train.mesh_expert=4")
     _check_step(m)
     _check_routing(batch, last_fed=False)
-    actor = trainer.worker.obj.actor
+    actor = trainer.worker.actor
     trained = jax.tree_util.tree_leaves_with_path(actor.state["params"])
     assert trained and all(p[-1].key in ("lora_a", "lora_b") and "self_attn" in str(p) for p, _ in trained)
     assert int(actor.state["step"]) > 0  # the update ran (the adapters' gradients: tests/models/test_lora_moe.py)
@@ -91,20 +90,20 @@ def test_grpo_step_with_the_vllm_pool_and_its_moe_weight_updates(tmp_path):
     try:
         _check_step(m)
         _check_routing(batch, last_fed=True)
-        assert trainer.pool.version == 1
+        assert trainer.engine.pool.version == 1
         cfg = trainer.model_cfg
         params = init_params(cfg.replace(initializer_range=0.5), seed=7)
         prompts = [[2, 12, 7, 13], [3, 4, 5, 6, 8, 9, 10, 11], [14, 15], [9, 1, 4]]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
-        before = trainer.pool.generate(prompts, greedy).tokens
-        assert trainer.pool.update_weights(params, step=5) == 5
+        before = trainer.engine.pool.generate(prompts, greedy).tokens
+        assert trainer.engine.pool.update_weights(params, step=5) == 5
         want = JaxEngine(cfg, params, dtype="float32", max_prompt_length=8).generate(prompts, greedy).tokens
         assert not np.array_equal(before, want)
-        np.testing.assert_array_equal(trainer.pool.generate(prompts, greedy).tokens, want)
+        np.testing.assert_array_equal(trainer.engine.pool.generate(prompts, greedy).tokens, want)
         with pytest.raises(RolloutError, match=r"actor.router_replay.mode = 'R3'.*rollout.engine = 'jax'"):
-            trainer.pool.generate(prompts, greedy.replace(return_routed_experts=True))
+            trainer.engine.pool.generate(prompts, greedy.replace(return_routed_experts=True))
     finally:
-        trainer.pool.shutdown()
+        trainer.engine.pool.shutdown()
         ray.shutdown()
 
 

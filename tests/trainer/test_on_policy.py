@@ -10,8 +10,8 @@ import pytest
 
 from jaxrl_llm.algorithms import get_adv_estimator
 from jaxrl_llm.trainer import steps
-from jaxrl_llm.trainer.algo_setup import exactly_on_policy, rollout_correction_config
 from jaxrl_llm.trainer.loop import RLTrainer, build_train_batch
+from jaxrl_llm.trainer.roles.algo_setup import exactly_on_policy, rollout_correction_config
 from tests.trainer import runs
 
 ONE_MINI_BATCH = ("train.driver='inprocess'", "actor.ppo_mini_batch_size=8")  # FAST's train_batch_size is 8
@@ -34,10 +34,10 @@ def test_the_pass_is_skipped_only_when_nothing_else_reads_the_old_log_probs(para
 
 def test_the_skipped_pass_gives_the_same_update(tmp_path):
     trainer = RLTrainer(runs.run_config(*ONE_MINI_BATCH, "actor.entropy_coeff=0.01", run_dir=tmp_path / "run"))
-    w = trainer.worker.obj
-    assert w.on_policy and not trainer.worker.call("needs_old_log_prob")
+    w = trainer.worker
+    assert w.on_policy and not trainer.worker.needs_old_log_prob()
     prompts = next(trainer.iterator)
-    batch = build_train_batch(prompts, w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0)),
+    batch = build_train_batch(prompts, trainer.engine.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0)),
                               trainer.run.data.max_response_length)
     batch.fields["advantages"] = np.random.default_rng(0).standard_normal(batch.response_mask.shape).astype(
         np.float32) * batch.response_mask

@@ -88,7 +88,7 @@ def test_step_scored_by_worker_processes_equals_in_process(tmp_path):
         try:
             out[name] = trainer.train_step(next(trainer.iterator), 0)
         finally:
-            trainer.worker.call("close_checkpointer")
+            trainer.worker.close_checkpointer()
             trainer.rewards.close()
     assert trainer.rewards._pool is None  # closed
     keys = [k for k in out["inproc"] if not k.startswith(runs.TIME_KEYS)]

@@ -30,8 +30,8 @@ def _same(a, b) -> bool:
 def test_lr_zero_step_leaves_params_bit_identical(tmp_path):
     # One mini-batch a step: exactly on-policy, so the old log-probs are the current ones.
     trainer = _trainer(tmp_path, "actor.lr=0.0", "actor.lr_warmup_steps=0", "actor.ppo_mini_batch_size=8")
-    assert not trainer.worker.call("needs_old_log_prob")
-    w = trainer.worker.obj
+    assert not trainer.worker.needs_old_log_prob()
+    w = trainer.worker
     before = _host(w.actor_state["params"])
     m = trainer.train_step(next(trainer.iterator), 0)
     assert _same(before, _host(w.actor_state["params"]))
@@ -44,9 +44,9 @@ def test_lr_zero_step_leaves_params_bit_identical(tmp_path):
 
 def test_nan_gradient_skips_the_update(tmp_path):
     trainer = _trainer(tmp_path)
-    w = trainer.worker.obj
+    w = trainer.worker
     prompts = next(trainer.iterator)
-    rollout = w.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0))
+    rollout = trainer.engine.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0))
     from jaxrl_llm.trainer.loop import build_train_batch
 
     batch = build_train_batch(prompts, rollout, trainer.run.data.max_response_length)
@@ -55,7 +55,7 @@ def test_nan_gradient_skips_the_update(tmp_path):
     batch.fields["advantages"][0, 0] = np.nan  # one poisoned token in the first mini-batch
     state_before = _host(w.actor_state)
     m = w.update_actor(batch, 0)
-    assert w.engine.params is None  # rollout.free_cache_engine: the engine's copy is dropped for the update
+    assert trainer.engine.sampler.params is None  # rollout.free_cache_engine: the engine's copy is dropped for updates
     assert m["actor/skipped_steps"] == 1.0  # of the 2 mini-batch updates, the poisoned one
     after = _host(w.actor_state)
     assert int(after["skipped"]) == 1 and int(after["step"]) == int(state_before["step"]) + 1
@@ -65,8 +65,8 @@ def test_nan_gradient_skips_the_update(tmp_path):
     w.update_actor(only_bad, 1)
     after = _host(w.actor_state)
     assert _same(before["params"], after["params"]) and _same(before["opt_state"], after["opt_state"])
-    w.sync_rollout_weights(2)  # and the sync rebuilds it
-    assert w.generate([prompts[0]["prompt_ids"]], trainer.sampling(1)).weight_version == 2
+    trainer.engine.sync(2)  # and the sync rebuilds it
+    assert trainer.engine.generate([prompts[0]["prompt_ids"]], trainer.sampling(1)).weight_version == 2
 
 
 def test_no_recompiles_in_the_steady_state(tmp_path):
@@ -87,7 +87,7 @@ def test_no_recompiles_in_the_steady_state(tmp_path):
             trainer.train_step(next(trainer.iterator), step)
             trainer.global_step = step + 1
             trainer.save_checkpoint()
-        trainer.worker.call("wait_checkpoint")
+        trainer.worker.wait_checkpoint()
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [], f"{len(compiles)} compilations in steps 2-4"
@@ -112,11 +112,11 @@ def test_failing_reward_function_is_counted_and_the_run_goes_on(tmp_path):
 @pytest.mark.parametrize("fault", ["disk_full", "unwritable"])
 def test_checkpoint_failure_is_clear_and_keeps_the_last_good_one(tmp_path, monkeypatch, fault):
     trainer = _trainer(tmp_path, "train.save_freq=1", steps=3)
-    ckpt = trainer.worker.obj.ckpt
+    ckpt = trainer.worker.ckpt
     trainer.train_step(next(trainer.iterator), 0)
     trainer.global_step = 1
     trainer.save_checkpoint()
-    trainer.worker.call("wait_checkpoint")
+    trainer.worker.wait_checkpoint()
     if fault == "disk_full":
         def full(*a, **k):
             raise OSError(28, "No space left on device")
@@ -130,7 +130,7 @@ def test_checkpoint_failure_is_clear_and_keeps_the_last_good_one(tmp_path, monke
     monkeypatch.undo()
     again = RunCheckpointer(str(tmp_path / "run" / "checkpoints"), read_only=True)
     assert again.steps() == [1]
-    step, actor, _, meta = again.restore_latest_valid(actor=trainer.worker.obj.actor_state)
+    step, actor, _, meta = again.restore_latest_valid(actor=trainer.worker.actor_state)
     assert step == 1 and meta["step"] == 1 and meta["data"]["position"] == 1
 
 
@@ -139,7 +139,7 @@ def test_reference_offloaded_to_host_gives_the_same_kl_loss(tmp_path):
     a = _trainer(tmp_path / "a", *kl)
     b = _trainer(tmp_path / "b", *kl, "train.ref_offload=True")
     # The frozen copy lives on the host: every leaf is this process's shards as numpy arrays.
-    leaves = jax.tree.leaves(b.worker.obj.ref_params)
+    leaves = jax.tree.leaves(b.worker.ref_params)
     assert leaves and all(isinstance(x, distributed.HostShards) for x in leaves)
     assert all(isinstance(data, np.ndarray) for x in leaves for _, data in x.shards)
     ma, mb = a.train_step(next(a.iterator), 0), b.train_step(next(b.iterator), 0)
@@ -158,7 +158,7 @@ def test_a_run_resumed_at_an_epoch_boundary_trains_the_configured_steps(tmp_path
 
     def dies_in_step_4(self, k):
         if k == 3:
-            self.worker.call("wait_checkpoint")  # checkpoint 3 committed, as before a SIGKILL in step 4
+            self.worker.wait_checkpoint()  # checkpoint 3 committed, as before a SIGKILL in step 4
             raise RuntimeError("killed in step 4")
         return step(self, k)
 

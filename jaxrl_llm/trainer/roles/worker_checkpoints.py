@@ -1,4 +1,4 @@
-"""The checkpoint side of `TrainerWorker` (trainer/worker.py): opening the run's checkpoint dir, saving and
+"""The checkpoint side of `TrainerWorker` (trainer/roles/worker.py): opening the run's checkpoint dir, saving and
 restoring the train states, and setting aside another run's checkpoints."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 
 class WorkerCheckpoints:
-    """Mixin of TrainerWorker: uses its `actor_state`, `critic_state` and `sync_rollout_weights`."""
+    """Mixin of TrainerWorker: uses its `actor_state` and `critic_state`."""
 
     def set_aside_checkpoints(self) -> list[str]:
         """A fresh start in a run dir that has checkpoints moves them aside (they are another run's)."""
@@ -34,7 +34,8 @@ class WorkerCheckpoints:
 
     def restore_checkpoint(self, directory: str, step: int | None = None) -> dict | None:
         """Restores train states into this worker's mesh layout; returns the checkpoint's meta (with
-        its step), or None when `directory` has no checkpoint."""
+        its step), or None when `directory` has no checkpoint. (The engine takes the restored weights when the
+        trainer starts it: `EngineRole.start`.)"""
         from jaxrl_llm.checkpoint import NoValidCheckpointError, RunCheckpointer
 
         own = self.ckpt
@@ -57,5 +58,4 @@ class WorkerCheckpoints:
         if critic is not None:
             self.critic_state = critic
         own.set_aside_after(step)
-        self.sync_rollout_weights(step)
         return {**meta, "step": step}

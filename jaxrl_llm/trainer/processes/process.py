@@ -40,29 +40,23 @@ def run_process(run, operative_config: str, spec) -> dict:
     """One process of a run: joins the others (if any), then builds the trainer and trains (or, the rollout process
     of an async run over several processes, serves the trainer's rollouts)."""
     from jaxrl_llm import distributed
-    from jaxrl_llm.trainer import placement
     from jaxrl_llm.trainer.loop import RLTrainer
+    from jaxrl_llm.trainer.processes import placement
     from jaxrl_llm.xla_flags import apply_gpu_overlap
 
     apply_gpu_overlap(run.trainer.xla_gpu_overlap)  # before the backend starts (it reads XLA_FLAGS once)
     distributed.initialize(spec, heartbeat_timeout_s=run.trainer.heartbeat_timeout_s)
     enable_compilation_cache(run.trainer.compilation_cache_dir)
     if placement.enter_side(run) == placement.ROLLOUT:  # an async run's rollout process: it serves the trainer
-        from jaxrl_llm.trainer.rollout_server import RolloutServer
+        from jaxrl_llm.trainer.processes.server import RolloutServer
 
         return RolloutServer(run).serve()
     try:
-        if run.async_training.enabled:  # the rollout on devices of its own (trainer/async_trainer.py)
-            from jaxrl_llm.trainer.async_trainer import AsyncRLTrainer
-
-            trainer = AsyncRLTrainer(run, operative_config=operative_config)
-        else:
-            trainer = RLTrainer(run, operative_config=operative_config, inprocess=spec.multi)
-        return trainer.fit()
+        return RLTrainer(run, operative_config=operative_config).fit()
     except BaseException as e:
-        if placement.side(run) == placement.TRAIN:  # the rollout process stops too, rather than wait for commands
-            from jaxrl_llm.trainer.channel import Channel
-            from jaxrl_llm.trainer.rollout_remote import CHANNEL
+        if placement.side(run) == placement.TRAIN:  # the rollout process stops too, rather than wait for calls
+            from jaxrl_llm.trainer.processes.channel import Channel
+            from jaxrl_llm.trainer.processes.service import CHANNEL
 
             Channel(CHANNEL).fail(f"training process {spec.process_id} failed: {type(e).__name__}: {e}")
         raise

@@ -13,11 +13,11 @@ import dataclasses
 import gin
 
 from jaxrl_llm.algorithms.rollout_correction import RolloutCorrectionConfig
-from jaxrl_llm.trainer.config_async import AsyncConfig, check_async
-from jaxrl_llm.trainer.config_check import ConfigValueError, check_types
-from jaxrl_llm.trainer.config_check import check as _check
-from jaxrl_llm.trainer.config_rollout import RolloutConfig
-from jaxrl_llm.trainer.router_replay import RouterReplaySettings
+from jaxrl_llm.trainer.config.async_training import AsyncConfig, check_async
+from jaxrl_llm.trainer.config.check import ConfigValueError, check_types
+from jaxrl_llm.trainer.config.check import check as _check
+from jaxrl_llm.trainer.config.rollout import RolloutConfig
+from jaxrl_llm.trainer.config.router_replay import RouterReplaySettings
 
 
 @gin.configurable("model")
@@ -358,12 +358,13 @@ class TrainerConfig:
     n_gpus_per_node: int | None = None
     nnodes: int = 1  # veRL's trainer.nnodes: the trainer's nodes (train.n_gpus_per_node each)
     ref_offload: bool = False  # keep the reference model in host memory between its passes
-    # The bytes a device may hold, for the memory check before the first step (trainer/memory_check.py).
+    # The bytes a device may hold, for the memory check before the first step (trainer/memory/check.py).
     # None: what XLA may use on the device (a CPU says nothing: no check there); set it to check on a CPU.
     device_memory_limit_bytes: int | None = None
-    # Compile the update and log-prob passes at every micro-batch shape a step can meet (trainer/warm_programs.py)
-    # while the worker starts, so that no later step compiles. None: on where the devices are not the CPU. Off by
-    # default until a GPU run has measured it (benchmarks/sessions/mfu_issue40.sh; none yet, 2026-11-27).
+    # Compile the update and log-prob passes at every micro-batch shape a step can meet
+    # (trainer/memory/warm_programs.py) while the worker starts, so that no later step compiles. None: on where the
+    # devices are not the CPU. Off by default until a GPU run has measured it (benchmarks/sessions/mfu_issue40.sh; none
+    # yet, 2026-11-27).
     compile_ahead: bool | None = False
     # XLA's GPU options that overlap FSDP's collectives with compute (jaxrl_llm/xla_flags.py), added to XLA_FLAGS
     # before the backend starts; a flag XLA_FLAGS sets already keeps its value. No effect off a GPU.

@@ -68,7 +68,7 @@ VERL_KEYS = {
 @functools.cache
 def all_keys() -> tuple[Key, ...]:
     """Every key of the run config, section by section in `build_run_config`'s order."""
-    from jaxrl_llm.trainer.config import PARTS
+    from jaxrl_llm.trainer.config.run import PARTS
 
     out: list[Key] = []
     for _, section, cls in PARTS:
@@ -192,7 +192,7 @@ def operative_config(run=None) -> str:
 
 def _value(run, key: str):
     """The value of `key` in a RunConfig."""
-    from jaxrl_llm.trainer.config import PARTS
+    from jaxrl_llm.trainer.config.run import PARTS
 
     field, section = next((f, s) for f, s, _ in sorted(PARTS, key=lambda p: -len(p[1]))
                           if key.startswith(s + "."))

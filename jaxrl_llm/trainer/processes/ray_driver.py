@@ -1,13 +1,13 @@
 """`train.driver = 'ray'` with `train.num_processes > 1`: the run's processes as Ray actors.
 
-The driver reserves one placement-group bundle per process (its GPUs, or one CPU with
-`train.devices_per_process` simulated CPU devices), spread over the nodes of the cluster, starts a
-`TrainProcess` actor in each, and hands every actor the address of process 0's coordinator. Each actor
-then does what a plainly launched process does (`jaxrl_llm.trainer.process.run_process`): joins the others with
-`jax.distributed`, and runs the whole RL loop as one process of the SPMD program.
+The driver reserves one placement-group bundle per process (its GPUs, or one CPU with `train.devices_per_process`
+simulated CPU devices), spread over the nodes of the cluster, starts a `TrainProcess` actor in each, and hands every
+actor the address of process 0's coordinator. Each actor then does what a plainly launched process does
+(`jaxrl_llm.trainer.processes.process.run_process`): joins the others with `jax.distributed`, and runs the whole RL loop
+as one process of the SPMD program.
 
 An async run's processes are placed as the plain launcher places them: bundle i is process i, the first
-`train.nnodes` train and the rest generate (trainer/placement.py).
+`train.nnodes` train and the rest generate (trainer/processes/placement.py).
 
 The driver only waits. When a process fails or dies, it stops the others and raises one error; the
 next start resumes from the last checkpoint.
@@ -21,9 +21,9 @@ import re
 import socket
 
 from jaxrl_llm.distributed import DistributedError, ProcessSpec
+from jaxrl_llm.ray_cluster import init_ray
 from jaxrl_llm.trainer.config import RunConfig
-from jaxrl_llm.trainer.placement import check_processes
-from jaxrl_llm.trainer.roles import init_ray
+from jaxrl_llm.trainer.processes.placement import check_processes
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class TrainProcess:
         return os.getpid()
 
     def fit(self, run: RunConfig, operative_config: str, spec: ProcessSpec, log_level: str = "INFO") -> dict:
-        from jaxrl_llm.trainer.process import run_process, setup_logging
+        from jaxrl_llm.trainer.processes.process import run_process, setup_logging
 
         setup_logging(log_level, spec.process_id)
         return run_process(run, operative_config, spec)
@@ -73,7 +73,7 @@ def fit_on_ray(run: RunConfig, operative_config: str, *, log_level: str = "INFO"
     t = run.trainer
     n, per = t.num_processes, t.devices_per_process or 1
     check_processes(run, n, per)  # an async run: training processes first, then the rollout's (as the launcher)
-    init_ray(run)
+    init_ray(run.trainer.ray_address)
     gpu = ray.cluster_resources().get("GPU", 0) > 0
     bundle = {"CPU": 1, "GPU": per} if gpu else {"CPU": 1}
     # SPREAD: one process per node where the cluster has the nodes (JAX's usual layout), else packed.

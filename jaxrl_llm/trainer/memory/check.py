@@ -4,7 +4,7 @@
 or allocated), compiles each program of the step for its fixed shapes (`jitted.lower(...).compile()`) and
 reads XLA's own account of it (`memory_analysis()`: arguments, outputs, outputs aliased to donated inputs,
 temporaries; per device). A program needs what stays resident while it runs, plus its inputs that are not
-resident, its new outputs and its temporaries (`ProgramMemory`). The programs (trainer/memory_programs.py):
+resident, its new outputs and its temporaries (`ProgramMemory`). The programs (trainer/memory/programs.py):
 
   actor update, critic update    the grad step on one full micro-batch (actor.ppo_max_token_len_per_gpu)
   actor / critic optimizer       AdamW on the trained leaves, in place
@@ -19,7 +19,7 @@ unless offloaded), and the engine's weights and KV pool, each except where the r
 
 Automatic settings: `model.remat='auto'` takes the first policy of `AUTO_LADDER` (models/remat.py: "dots",
 "mlp_gate", "attention_block", "attention", "full": the least recompute first) whose update fits in
-`AUTO_SHARE` of the limit (the arithmetic first pass, trainer/memory.py, skips without compiling them the
+`AUTO_SHARE` of the limit (the arithmetic first pass, trainer/memory/estimate.py, skips without compiling them the
 policies that cannot fit), the last one ("full") where none does; `rollout.log_prob_max_token_len_per_gpu =
 None` takes twice the update's budget where that pass fits, else the update's; `rollout.fuse_log_prob_passes`
 is turned off where only the two passes apart fit. A program that fits no choice in `FIT_SHARE` of the limit
@@ -48,8 +48,8 @@ import time
 from jaxrl_llm import distributed
 from jaxrl_llm.errors import DeviceMemoryError
 from jaxrl_llm.models.remat import AUTO_LADDER
-from jaxrl_llm.trainer import memory
-from jaxrl_llm.trainer.memory_programs import ProgramMemory, StepPrograms, size
+from jaxrl_llm.trainer.memory import estimate as memory
+from jaxrl_llm.trainer.memory.programs import ProgramMemory, StepPrograms, size
 
 log = logging.getLogger(__name__)
 

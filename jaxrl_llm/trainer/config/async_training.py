@@ -15,7 +15,7 @@
 
 The split: `rollout.n_gpus_per_node` x `rollout.nnodes` devices generate, `train.n_gpus_per_node` x
 `train.nnodes` train (default: the rest), in one process; over several processes a node is a process of one side
-(trainer/placement.py).
+(trainer/processes/placement.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 
 import gin
 
-from jaxrl_llm.trainer.config_check import check as _check
+from jaxrl_llm.trainer.config.check import check as _check
 
 MODES = ("sync", "one_step_off", "fully_async")
 

@@ -7,7 +7,7 @@ copy; the actor's reference policy is that tree run without the adapters. Jitted
 and the frozen trees apart (gradients reach only the first); `params()` joins them without a copy.
 
 Built from `abstract_params` (ShapeDtypeStructs with shardings), a state holds the same trees as shapes
-alone and allocates nothing: the memory check (`trainer/memory_check.py`) compiles the step's programs
+alone and allocates nothing: the memory check (`trainer/memory/check.py`) compiles the step's programs
 against it before any weights are loaded.
 """
 

@@ -1,5 +1,5 @@
 """`rollout.*`: the rollout engine's configuration (veRL's `actor_rollout_ref.rollout.*`), a part of
-`RunConfig` (trainer/config.py)."""
+`RunConfig` (trainer/config/run.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import gin
 
 from jaxrl_llm.agent.config import MultiTurnConfig
-from jaxrl_llm.trainer.config_check import check as _check
+from jaxrl_llm.trainer.config.check import check as _check
 
 
 @gin.configurable("rollout")

@@ -1,4 +1,4 @@
-"""The programs of one RL step, compiled for the memory check (trainer/memory_check.py) against an abstract
+"""The programs of one RL step, compiled for the memory check (trainer/memory/check.py) against an abstract
 `TrainerWorker` (its states as ShapeDtypeStructs in their shardings), each with what stays resident
 beside it. The inputs have the shapes and shardings of the step's own calls (micro-batches at the full
 pack shape, built by `build_micro_batch` itself), so the programs compiled here are the ones the first
@@ -14,7 +14,7 @@ import time
 import jax
 
 from jaxrl_llm.rollout.engine_weights import EngineWeights
-from jaxrl_llm.trainer.warm_programs import forward_programs, update_programs
+from jaxrl_llm.trainer.memory.warm_programs import forward_programs, update_programs
 
 log = logging.getLogger(__name__)
 

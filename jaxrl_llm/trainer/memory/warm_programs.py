@@ -7,7 +7,7 @@ critic's values, clip_cov / kl_cov's current log-probs) on those of the log-prob
 of a step has one shape a run (the optimizer, the advantages over [R, Tr], the zeros of the accumulators) and
 step 0 compiles it. `update_programs` and `forward_programs` list them for one shape, with ShapeDtypeStructs in
 the shardings the step places its arrays with (the memory check compiles the full shapes of the same lists,
-trainer/memory_programs.py); `CompileAhead` lowers and compiles every pair of program and ladder shape on a
+trainer/memory/programs.py); `CompileAhead` lowers and compiles every pair of program and ladder shape on a
 thread pool. jax keeps each executable with its jitted function, so the step's later calls at those shapes
 run it without tracing or compiling again (and each executable lands in the persistent compilation cache).
 """

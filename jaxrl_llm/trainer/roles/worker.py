@@ -1,12 +1,12 @@
-"""`TrainerWorker`: the actor, reference and critic models (and the JAX engine) on one device mesh.
+"""`TrainerWorker`: the actor, reference and critic models on one device mesh (a `WorkerRole`, roles/protocols.py).
 
-The driver (`trainer.loop`) calls these methods with host `TrainBatch`es, either directly
-(in-process) or on a Ray actor; everything on devices stays inside the worker.
+The driver (`trainer.loop`) calls these methods with host `TrainBatch`es, through a handle: the worker itself in
+this process, or a proxy of it in a Ray actor (roles/handles.py); everything on devices stays inside the worker. The
+rollout engine is a role of its own (roles/engines.py), built beside the worker where it shares its devices.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 
@@ -15,41 +15,38 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import compile_watch, distributed, sharding
-from jaxrl_llm.agent.config import engine_prompt_length
 from jaxrl_llm.algorithms import (
     LossNorm,
     get_adv_estimator,
     select_cov_tokens,
 )
 from jaxrl_llm.models import Qwen2Config
-from jaxrl_llm.rollout import RolloutBatch, SamplingParams, make_jax_engine
 from jaxrl_llm.rollout.vllm_pool import check_model as check_vllm_model
-from jaxrl_llm.rollout.weight_sync import WeightSync
-from jaxrl_llm.trainer import memory_check, router_replay, steps
-from jaxrl_llm.trainer.algo_setup import (
+from jaxrl_llm.trainer import router_replay, steps
+from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch, split_mini_batches
+from jaxrl_llm.trainer.config import RunConfig
+from jaxrl_llm.trainer.memory import check as memory_check
+from jaxrl_llm.trainer.memory.warm_programs import CompileAhead
+from jaxrl_llm.trainer.packing import padded_tokens, plan_packing, shape_ladder
+from jaxrl_llm.trainer.processes.placement import split_devices
+from jaxrl_llm.trainer.roles.algo_setup import (
     adv_inputs,
     exactly_on_policy,
     make_adv_fn,
     policy_loss_config,
     rollout_correction_config,
 )
-from jaxrl_llm.trainer.batch import PackShape, TrainBatch, build_micro_batch, split_mini_batches
-from jaxrl_llm.trainer.config import RunConfig
-from jaxrl_llm.trainer.model_load import (
+from jaxrl_llm.trainer.roles.model_load import (
     load_actor_params,
     load_adapters,
     load_critic_params,
     lora_spec,
     model_config,
 )
-from jaxrl_llm.trainer.model_state import ModelState, abstract_params
-from jaxrl_llm.trainer.optim import make_optimizer
-from jaxrl_llm.trainer.packing import padded_tokens, plan_packing, shape_ladder
-from jaxrl_llm.trainer.placement import rollout_mesh, split_devices
-from jaxrl_llm.trainer.rollout_remote import RemoteEngine
-from jaxrl_llm.trainer.warm_programs import CompileAhead
-from jaxrl_llm.trainer.worker_checkpoints import WorkerCheckpoints
-from jaxrl_llm.trainer.worker_weights import WorkerWeights
+from jaxrl_llm.trainer.roles.model_state import ModelState, abstract_params
+from jaxrl_llm.trainer.roles.optim import make_optimizer
+from jaxrl_llm.trainer.roles.worker_checkpoints import WorkerCheckpoints
+from jaxrl_llm.trainer.roles.worker_weights import WorkerWeights
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +58,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
 
     def __init__(self, run: RunConfig, *, total_steps: int, model_cfg: Qwen2Config | None = None,
                  abstract: bool = False):
-        """`abstract`: the states as shapes alone, nothing loaded and no engine: what the memory check compiles
+        """`abstract`: the states as shapes alone, nothing loaded: what the memory check compiles
         the step's programs against. Else that check runs first (`memory_check.plan`): it fails before any
         work when a program cannot fit the device, and resolves model.remat='auto' and the log-prob budget."""
         self.run = run
@@ -114,38 +111,20 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
             self.critic_gd, self.critic_sh = self.critic.graphdef, self.critic.param_sh
 
         self._build_steps()
-        warm = None
+        self._tenants: list = []  # roles sharing these devices (a colocated engine): `share_devices`
+        self._warm = None
         ahead = run.trainer.compile_ahead
         if not abstract and (jax.devices()[0].platform != "cpu" if ahead is None else ahead):
-            warm = CompileAhead(self)  # on threads, while the engine is built
-        self.engine = None
-        self._weight_sync: WeightSync | None = None  # the sync to the rollout's own devices (async modes)
-        if run.rollout.engine == "jax" and not abstract and self._remote_rollout():
-            # The rollout side is another process (trainer/placement.py): its engine, driven from here.
-            self.engine = RemoteEngine(self.cfg, rollout_mesh(run, self.rollout_devices))
-            self.memory.generation_held = {}
-        elif run.rollout.engine == "jax" and not abstract:
-            mesh, rollout = self.mesh, run.rollout
-            if self.rollout_devices is not None:  # the rollout's own devices: nothing of the trainer's there, and
-                mesh = rollout_mesh(run, self.rollout_devices)  # no update to give the KV pool to
-                rollout = dataclasses.replace(rollout, free_cache_engine=False)
-                self.memory.generation_held = {}
-                # The engine's first weights come through the sync every later one takes: under LoRA the frozen
-                # base moves here, once, and each sync after moves the adapters alone (the merged model built on
-                # the training devices and moved whole, then the base again at the first sync, was two moves).
-                self._weight_sync = WeightSync(self.cfg, mesh, dtype=self.cfg.dtype)
-            self.engine = make_jax_engine(self.cfg, self.rollout_weights(), mesh, rollout=rollout,
-                                          max_prompt_length=engine_prompt_length(run),
-                                          max_model_len=run.rollout.max_model_len or run.max_model_len)
-            self.memory.check_engine(self.engine)  # the sampler's programs, where the engine reports them
-        if warm is not None:
-            count, seconds = warm.wait()
+            self._warm = CompileAhead(self)  # on threads, while the engine is built beside the worker (roles/host.py)
+
+    def finish_compile_ahead(self) -> None:
+        """Waits for the programs `train.compile_ahead` compiles on threads while the worker's process builds the
+        rest of its roles."""
+        if self._warm is not None:
+            count, seconds = self._warm.wait()
+            self._warm = None
             log.info("compiled the update and log-prob passes at every shape of their ladders ahead: %d programs "
                      "in %.1f s", count, seconds)
-
-    def _remote_rollout(self) -> bool:
-        return self.rollout_devices is not None and any(d.process_index != jax.process_index()
-                                                        for d in self.rollout_devices)
 
     # The train states ({"params", "opt_state", "step", "skipped"}: what checkpoints hold), by role.
     @property
@@ -338,14 +317,9 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         return self.finish_forward_passes()
 
     # ---- the RL step -----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens_per_row=None,
-                 seeds=None) -> RolloutBatch:
-        return self.engine.generate(prompts, sampling, max_new_tokens_per_row=max_new_tokens_per_row, seeds=seeds)
-
     def compile_stats(self) -> dict:
-        """This process's XLA compiles so far (jaxrl_llm.compile_watch) and the engine's programs of its last call."""
-        engine = getattr(self.engine, "last_stats", None) or {}
-        return dict(compile_watch.totals(), engine_programs_compiled=engine.get("programs_compiled", 0))
+        """This process's XLA compiles so far (jaxrl_llm.compile_watch)."""
+        return compile_watch.totals()
 
     def compute_log_prob(self, batch: TrainBatch) -> dict[str, np.ndarray]:
         """Old log-probs and entropy of the current actor ([R, Tr] each)."""
@@ -413,7 +387,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         """PPO epochs x mini-batches of AdamW updates; `step` is the training step (for the LR)."""
         if self.bypass:  # veRL's bypass mode: the sampler's log-probs are the old ones
             batch.fields.setdefault("old_log_prob", batch.fields["rollout_log_probs"])
-        self._release_engine_weights()
+        self._free_for_update()
         fields = self.actor_update_fields(batch.fields)
         prepare = None
         if self.cov_select is not None:
@@ -450,7 +424,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         sub.fields["token_select"] = np.asarray(distributed.fetch(sel), np.float32)
 
     def update_critic(self, batch: TrainBatch, step: int) -> dict[str, float]:
-        self._release_engine_weights()
+        self._free_for_update()
         self.critic_state, metrics = self._update(
             batch, role=self.critic, grad_fn=self.critic_grad, metrics0=self.critic_metrics0,
             zeros=self.critic_zeros, apply_fn=self.critic_apply, fields=["values", "returns"],
@@ -475,3 +449,12 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         from jaxrl_llm.trainer.metrics import peak_tflops
 
         return peak_tflops(self.run.trainer.peak_tflops)
+
+    def describe(self) -> dict:
+        """What the worker settled at its start: the mesh's axes, the remat policy, the fused passes, on-policy."""
+        return {"mesh": dict(self.mesh.shape), "remat": self.cfg.remat, "on_policy": self.on_policy,
+                "fused": self.run.rollout.fuse_log_prob_passes}
+
+    def memory_rows(self) -> list[dict]:
+        """The memory check's programs, one row each (XLA's account, per device); empty where nothing was checked."""
+        return self.memory.rows() if self.memory is not None and self.memory.limit else []

@@ -5,7 +5,7 @@ pass (about 8·N → 6·N FLOPs a token), but the saved outputs grow with the mi
 keeps only each layer's input, and the policies between keep chosen activations (`models/remat.py`).
 `choose_remat` offers the first policy of the ladder (the least recompute first) whose step's estimated peak
 fits the device with a margin. The estimate is arithmetic and fast; the memory check before the first step
-(trainer/memory_check.py) compiles the offered choice, and the ladder below it where that does not fit, and
+(trainer/memory/check.py) compiles the offered choice, and the ladder below it where that does not fit, and
 trusts XLA's own analysis, so the estimate only spares it compiling policies that cannot fit. It counts, per
 device:
 
@@ -147,7 +147,7 @@ def choose_remat(cfg: Qwen2Config, *, tokens_per_device: int, param_shards: int,
 def first_pass_remat(run, cfg: Qwen2Config, mesh_shape, lora, device_bytes: int | None) -> str:
     """`choose_remat` for a run on `mesh_shape` (`lora`: its adapters' spec, or None): the first pass of
     `model.remat='auto'`, where the memory check starts down the ladder. The policies above it are not compiled;
-    it is only a candidate, which the check compiles and confirms (trainer/memory_check.py)."""
+    it is only a candidate, which the check compiles and confirms (trainer/memory/check.py)."""
     tokens = max(1, run.actor.ppo_max_token_len_per_gpu // run.pack_length) * run.pack_length
     return choose_remat(cfg, tokens_per_device=tokens, param_shards=mesh_shape["fsdp"] * mesh_shape["tensor"],
                         tensor=mesh_shape["tensor"], critic=run.algo.uses_critic,
