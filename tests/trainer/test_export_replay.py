@@ -20,7 +20,7 @@ from tests.trainer import runs
 @pytest.fixture(scope="module")
 def dumped_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("dumped")
-    out = runs.run(d, "train.dump_batches=True", steps=3)
+    out = runs.run(d, "train.dump_batches=True", steps=4)
     assert out.returncode == 0, out.stderr[-3000:]
     return d
 
@@ -46,7 +46,7 @@ def test_export_roundtrip_logits_equal_checkpointed_params(dumped_run, tmp_path)
     assert _dtypes(out_dir / "model.safetensors") == {torch.float32}
     assert json.loads((out_dir / "config.json").read_text())["torch_dtype"] == "float32"
     step, params, cfg, _ = load_checkpoint_params(str(dumped_run))
-    assert step == 3
+    assert step == 4
     graphdef, _ = graphdef_and_abstract_params(cfg)
     ids = np.array([[2, 12, 7, 13, 14, 5], [3, 12, 4, 13, 14, 9]])
     ours = np.asarray(nnx.merge(graphdef, params)(jnp.asarray(ids)))
@@ -75,12 +75,15 @@ def test_export_errors_are_one_line(tmp_path):
 
 
 def test_replaying_dumped_batches_gives_identical_metrics(dumped_run, tmp_path):
-    assert sorted(p.name for p in (dumped_run / "batches").iterdir()) == [f"step_{i:06d}.npz" for i in range(3)]
+    assert sorted(p.name for p in (dumped_run / "batches").iterdir()) == [f"step_{i:06d}.npz" for i in range(4)]
     replay = tmp_path / "replay"
-    out = runs.run(replay, f"train.replay_batches_from='{dumped_run}/batches'", steps=3)
+    out = runs.run(replay, f"train.replay_batches_from='{dumped_run}/batches'", steps=4)
     assert out.returncode == 0, out.stderr[-3000:]
     original, replayed = runs.by_step(runs.metrics(dumped_run)), runs.by_step(runs.metrics(replay))
-    for step in (1, 2, 3):
+    # the run crosses an epoch (3 batches an epoch): the replay draws its prompts as the run did, so each step
+    # keeps its batch's epoch
+    assert [original[step]["training/epoch"] for step in (1, 2, 3, 4)] == [0, 0, 0, 1]
+    for step in (1, 2, 3, 4):
         keys = set(replayed[step]) - {"step"}
         assert "actor/pg_loss" in keys and "actor/grad_norm" in keys and "critic/advantages/mean" in keys
         assert {k: replayed[step][k] for k in keys} == {k: original[step][k] for k in keys}, step
