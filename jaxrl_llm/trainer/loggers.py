@@ -59,6 +59,23 @@ def _is_terminal(stream) -> bool:
         return False
 
 
+
+def _summary_writer() -> type:
+    """tensorboardX's SummaryWriter, imported without torch where this process has not imported it: tensorboardX's
+    writer imports torch only to accept torch tensors as values (we log floats), and that import was 2-4 s of every
+    trainer process's start on 2 cores (a test session starts about a hundred). `import torch` fails while
+    tensorboardX loads, which it handles; torch imports normally afterwards."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # an ImportError for `import torch`, for as long as tensorboardX loads
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
 class MetricsLogger:
     """Fans metrics out to the configured sinks ("console", "jsonl", "tensorboard", "wandb")."""
 
@@ -78,8 +95,7 @@ class MetricsLogger:
             self._jsonl = open(path, "a")
         self._tb = None
         if "tensorboard" in self.sinks:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer()
             tb_dir = os.path.join(run_dir, "tensorboard")
             # An earlier run's events past the start step: TensorBoard hides them (the steps are logged again).
             earlier = os.path.isdir(tb_dir) and any(n.startswith("events.") for n in os.listdir(tb_dir))

@@ -10,6 +10,7 @@ import re
 import shlex
 import signal
 import struct
+import subprocess
 import sys
 import termios
 
@@ -109,3 +110,22 @@ def test_the_readme_launcher_example_has_its_own_run_dir():
         gin.clear_config()
         run_dirs.add(check_train_args(args))
     assert len(run_dirs) == 2, run_dirs
+
+
+def test_the_tensorboard_sink_writes_its_events_without_importing_torch(tmp_path):
+    """tensorboardX's writer imports torch when it can (2-4 s of a trainer process's start, to accept torch tensors);
+    the logger loads it without torch, and the events are still written. A process with torch keeps it."""
+    code = (
+        "import sys\n"
+        "from jaxrl_llm.trainer.loggers import MetricsLogger\n"
+        f"lg = MetricsLogger({str(tmp_path)!r}, ('tensorboard',), total_steps=2, progress_bar=False)\n"
+        "lg.log(1, {'actor/pg_loss': 0.5})\n"
+        "lg.close()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "import torch\n"
+        "print(torch.zeros(1).shape)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=runs.REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "torch.Size([1])"
+    [events] = _events(tmp_path / "tensorboard")
+    assert [(e.step, v.tag, v.simple_value) for e in events for v in e.summary.value] == [(1, "actor/pg_loss", 0.5)]
