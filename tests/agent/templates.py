@@ -1,7 +1,8 @@
 """Chat-template fixtures written for these tests: a Qwen2.5-style ChatML template with tools (hermes
 calls, tool messages grouped into one user turn of <tool_response> blocks) and a Llama-3.1-style one
 (tools in the system turn, tool messages as 'ipython' turns), on the real Qwen2 vocabulary from
-../shared/data/qwen2_tokenizer (Llama 3's header tokens added for the second)."""
+the shared data's qwen2_tokenizer (tests/conftest.py's SHARED_DATA: $JAXRL_SHARED_DATA, else ../shared/data; Llama 3's
+header tokens added for the second)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import os
 
 import pytest
 
-TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "qwen2_tokenizer")
+# tests/conftest.py's SHARED_DATA, read the same way (this module is imported outside pytest's fixtures)
+_SHARED = os.environ.get("JAXRL_SHARED_DATA",
+                         os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data"))
+TOKENIZER_DIR = os.path.join(_SHARED, "qwen2_tokenizer")
 
 QWEN25_STYLE = (
     "{%- if tools -%}"
