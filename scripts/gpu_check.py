@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,8 +51,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown config(s) {unknown}; known: {[c.name for c in check.CONFIGS]}")
     os.makedirs(args.work_dir, exist_ok=True)
     baselines = check.load_baselines()
+
+    def stop(signum, frame):  # `timeout` (or the lent machine's limit) sends SIGTERM: keep what was measured
+        raise check.Stopped(f"signal {signal.Signals(signum).name}")
+
+    def save_so_far(device, rows):  # the report after each config, for a call killed past its last
+        path = check.write_report(rows, device)
+        if args.out_dir:
+            os.makedirs(args.out_dir, exist_ok=True)
+            shutil.copy(path, args.out_dir)
+
+    signal.signal(signal.SIGTERM, stop)
     device, results = check.check(names, out_dir=args.work_dir, budget_s=args.budget_s,
-                                  compile_cache=args.compile_cache, baselines=baselines)
+                                  compile_cache=args.compile_cache, baselines=baselines, on_rows=save_so_far)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     path = check.write_report(results, device)
     recorded = []
     if args.record:

@@ -182,15 +182,26 @@ def default_budget_s(names) -> float:
     return sum(TIMEOUT_FACTOR * c.expected_s for c in CONFIGS if c.name in names)
 
 
-def check(names, *, out_dir: str, budget_s: float | None, compile_cache: str,
-          baselines: dict) -> tuple[str, list[dict]]:
+class Stopped(Exception):
+    """Raised in the check's process by a signal (scripts/gpu_check.py turns SIGTERM, what `timeout` sends, into
+    it): the config running is stopped, its child killed, and the report keeps every row measured before."""
+
+
+def check(names, *, out_dir: str, budget_s: float | None, compile_cache: str, baselines: dict,
+          on_rows=None) -> tuple[str, list[dict]]:
     """Runs the configs `names` in order within `budget_s` seconds (None: `default_budget_s`); (the device kind, the
-    result rows of all their figures)."""
+    result rows of all their figures). `on_rows(device, rows)` is called after each config with the rows so far (the
+    script writes its report there, so that a call killed from outside loses only the config it was running); a
+    `Stopped` raised while a config runs makes its figures errors and the configs after it not run."""
     budget_s = default_budget_s(names) if budget_s is None else budget_s
     t_end = time.monotonic() + budget_s
-    device, results = gpu_name(), []
+    device, results, stopped = gpu_name(), [], None
     for cfg in (c for c in CONFIGS if c.name in names):
         left = t_end - time.monotonic()
+        if stopped is not None:
+            results.extend(not_run(fig, f"the check was stopped ({stopped}) before it (run it alone with "
+                                        f"--configs {cfg.name})", device, baselines, cfg.name) for fig in cfg.figures)
+            continue
         if left < cfg.expected_s:
             for fig in cfg.figures:
                 results.append(not_run(fig, f"{left:.0f} s of the time budget left, it takes about "
@@ -198,7 +209,11 @@ def check(names, *, out_dir: str, budget_s: float | None, compile_cache: str,
                                        device, baselines, cfg.name))
             continue
         t0 = time.monotonic()
-        rows, kind, error = run_config(cfg, out_dir, min(TIMEOUT_FACTOR * cfg.expected_s, left), compile_cache)
+        try:
+            rows, kind, error = run_config(cfg, out_dir, min(TIMEOUT_FACTOR * cfg.expected_s, left), compile_cache)
+        except Stopped as e:  # subprocess.run killed the child on the way out
+            stopped = str(e)
+            rows, kind, error = [], None, f"stopped after {time.monotonic() - t0:.0f} s ({e})"
         device = kind or device
         print(f"gpu_check: {cfg.name} in {time.monotonic() - t0:.0f} s{f' ({error})' if error else ''}", flush=True)
         for fig in cfg.figures:
@@ -206,6 +221,8 @@ def check(names, *, out_dir: str, budget_s: float | None, compile_cache: str,
             results.append(compare(fig, value, error or (missing if value is None else None), device, baselines,
                                    cfg.name))
             print("gpu_check:", json.dumps(results[-1]), flush=True)
+        if on_rows is not None:
+            on_rows(device, results)
     return device, results
 
 

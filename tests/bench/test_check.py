@@ -204,3 +204,55 @@ def test_gpu_check_copies_its_report_to_out_dir_only_when_asked(fake_gpu, tmp_pa
     assert main(["--work_dir", str(tmp_path / "work"), "--configs", "moe_update", "--out_dir",
                  str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "report.json").exists() and (tmp_path / "out" / "gpu_check_runs").is_dir()
+
+
+def test_a_check_killed_from_outside_keeps_its_report_and_stops_its_child(fake_gpu, tmp_path, monkeypatch):
+    """`timeout` sends SIGTERM to the script while a config's child runs (a 2026-11-27 call lost a whole report so):
+    the rows measured before stay in the report, the running config's figures are errors, the configs after it are
+    not run, the child is killed, and the exit code is 1."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    faked = check.run_config
+    pid_file = tmp_path / "child.pid"
+
+    def run_config(cfg, out_dir, timeout_s, compile_cache):
+        if cfg.name != "e2e_1p5b":
+            return faked(cfg, out_dir, timeout_s, compile_cache)
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+        subprocess.run([sys.executable, "-c", child], timeout=timeout_s)
+        raise AssertionError("the child was not stopped")
+
+    monkeypatch.setattr(check, "run_config", run_config)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        code = gpu_check_main()(["--work_dir", str(tmp_path / "work"), "--configs", "e2e_7b_lora32,e2e_1p5b,moe_update",
+                                 "--out_dir", str(tmp_path / "out")])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 1
+    rows = {r["config"]: r for r in check.load_report(str(tmp_path / "report.json"))["results"]}
+    assert rows["e2e_7b_lora32_step_s"]["status"] == "ok"
+    assert rows["e2e_1p5b_step_s"]["status"] == "error" and "SIGTERM" in rows["e2e_1p5b_step_s"]["error"]
+    assert rows["moe_update_3_layers_s"]["status"] == "not run"
+    assert (tmp_path / "out" / "report.json").exists()
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped by subprocess.run on the way out
+        os.kill(child, 0)
+
+
+def test_the_report_is_written_after_each_config(fake_gpu, tmp_path, monkeypatch):
+    seen = []
+    faked = check.run_config
+
+    def run_config(cfg, out_dir, timeout_s, compile_cache):
+        path = tmp_path / "report.json"
+        seen.append(len(check.load_report(str(path))["results"]) if path.exists() else 0)
+        return faked(cfg, out_dir, timeout_s, compile_cache)
+
+    monkeypatch.setattr(check, "run_config", run_config)
+    assert gpu_check_main()(["--work_dir", str(tmp_path / "work")]) == 0
+    assert seen == [0, 2, 3, 4, 5]  # the 7B LoRA config has two figures
