@@ -122,6 +122,14 @@ def process_index() -> int:
 
 
 # ---- timing ---------------------------------------------------------------------------------------
+def scratch_dir(prefix: str, work_dir: str | None) -> str:
+    """A fresh directory for a section's checkpoints or adapters: under `--work_dir` (made if missing: a lent
+    machine's /tmp/<name> does not exist yet), else under the system's temp."""
+    if work_dir:
+        os.makedirs(work_dir, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=work_dir)
+
+
 def timeit(fn, *args, warmup: int = 1, iters: int = 5, warm_s: float = 0.0) -> float:
     """Median wall seconds of `fn(*args)` with the result synchronised (after `warmup` calls and at
     least `warm_s` seconds of them, so the clocks are up)."""

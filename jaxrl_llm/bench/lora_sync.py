@@ -28,11 +28,10 @@ import gc
 import os
 import shutil
 import statistics
-import tempfile
 import time
 
 from jaxrl_llm.bench.harness import emit as _emit
-from jaxrl_llm.bench.harness import option, section, timeit
+from jaxrl_llm.bench.harness import option, scratch_dir, section, timeit
 from jaxrl_llm.bench.workload import dir_bytes
 
 # A pool actor's environment (`vllm_worker.DEFAULT_ENV`), set before JAX and vLLM read it.
@@ -190,7 +189,7 @@ def lora_sync(args):
     emit(what="setup", preset=preset, rank=args.lora_rank, targets=list(spec.targets), device=str(jax.devices()[0]),
          layers=cfg.num_hidden_layers, hidden=cfg.hidden_size)
     rows: dict[str, list[dict]] = {}
-    root = tempfile.mkdtemp(prefix="bench_lora_sync_", dir=args.work_dir)
+    root = scratch_dir("bench_lora_sync_", args.work_dir)
     try:
         engines = args.engines.split(",")
         if "jax" in engines:

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.bench.harness import TRAINER_MEM_FRACTION, emit, section
+from jaxrl_llm.bench.harness import TRAINER_MEM_FRACTION, emit, scratch_dir, section
 from jaxrl_llm.bench.workload import dir_bytes, make_run
 
 
@@ -39,7 +38,7 @@ def checkpoint_section(opts):
         worker = TrainerWorker(run, total_steps=10)
         state = (worker.actor_state, worker.critic_state)
         state_gb = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e9
-        root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=opts.work_dir)
+        root = scratch_dir("ckpt_bench_", opts.work_dir)
         try:
             worker.open_checkpointer(root, max_to_keep=1)
             for rep in range(opts.repeats):

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.bench.harness import TRAINER_MEM_FRACTION, emit, option, section, timeit
+from jaxrl_llm.bench.harness import TRAINER_MEM_FRACTION, emit, option, scratch_dir, section, timeit
 from jaxrl_llm.bench.lora_sync import VLLM_ENV
 from jaxrl_llm.bench.workload import dir_bytes
 
@@ -213,7 +213,7 @@ def weight_path(args) -> None:
     emit_path(what="init", preset=preset, params=sum(x.size for x in jax.tree.leaves(params)), bytes=nbytes,
          seconds=time.perf_counter() - t0)
 
-    root = tempfile.mkdtemp(prefix="bench_weight_path_", dir=args.work_dir)
+    root = scratch_dir("bench_weight_path_", args.work_dir)
     weights_dir = os.path.join(root, "weights")
     rows: dict[str, list[dict]] = {"save": [], "files": [], "memory": [], "convert": []}
     try:
