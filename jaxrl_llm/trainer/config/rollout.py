@@ -61,9 +61,9 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int | None = None
     # The old and reference log-prob passes as one program a micro-batch (both models' forward passes: one placing
     # of the micro-batch, and the reference's weight gathers free to overlap the actor's compute); the memory
-    # check turns it off where only the two programs apart fit. Off by default until a GPU run has measured it
-    # (benchmarks/sessions/mfu_issue40.sh; none yet, 2026-11-27).
-    fuse_log_prob_passes: bool = False
+    # check turns it off where only the two programs apart fit. Measured on 4xH200 at the 7B seed share (2026-11-27):
+    # the two passes 14.71 -> 11.68 s, MFU 44.0% -> 55.4% (BENCHMARKS.md, issue 40).
+    fuse_log_prob_passes: bool = True
     multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)  # rollout.multi_turn.*
     # async_training: the rollout's own devices (veRL's keys), apart from the trainer's; and its tensor-parallel
     # size there (veRL's tensor_model_parallel_size)

@@ -363,9 +363,9 @@ class TrainerConfig:
     device_memory_limit_bytes: int | None = None
     # Compile the update and log-prob passes at every micro-batch shape a step can meet
     # (trainer/memory/warm_programs.py) while the worker starts, so that no later step compiles. None: on where the
-    # devices are not the CPU. Off by default until a GPU run has measured it (benchmarks/sessions/mfu_issue40.sh; none
-    # yet, 2026-11-27).
-    compile_ahead: bool | None = False
+    # devices are not the CPU. Measured on 4xH200 at the 7B seed share (2026-11-27): nothing compiled after step 0
+    # (a 3.8 s program in step 1 without), step 0 164 -> 111 s (BENCHMARKS.md, issue 40).
+    compile_ahead: bool | None = None
     # XLA's GPU options that overlap FSDP's collectives with compute (jaxrl_llm/xla_flags.py), added to XLA_FLAGS
     # before the backend starts; a flag XLA_FLAGS sets already keeps its value. No effect off a GPU.
     xla_gpu_overlap: bool = False
