@@ -72,7 +72,7 @@ CONFIGS = (  # the order they run in: the 7B LoRA step first (issue 32's regress
                               "--max_num_seqs", "256"),
            (Figure("gen_qwen3_5_9b_seed_share_s", {"section": "gen", "rep": 1}, "seconds"),), 220),
     Config("e2e_qwen3_5_9b_lora32", E2E + ("--train_presets", "qwen3_5_9b", "--lora_rank", "32"),
-           (_step1("wall_s", "e2e_qwen3_5_9b_lora32_step_s"),), 320),
+           (_step1("wall_s", "e2e_qwen3_5_9b_lora32_step_s"),), 480),  # not done in 358 s on a cold cache (2026-11-27)
 )
 # The Qwen3.5 configs run with `--configs gen_qwen3_5_9b,e2e_qwen3_5_9b_lora32` until the 9B step has a recorded
 # figure (none yet: 2026-11-27); then they join the default list.
