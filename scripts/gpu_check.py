@@ -30,8 +30,9 @@ from jaxrl_llm.bench import check  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default=",".join(check.DEFAULT),
-                    help=f"comma-separated, of {[c.name for c in check.CONFIGS]}")
+    ap.add_argument("--configs", default=None,
+                    help=f"comma-separated, of {[c.name for c in check.CONFIGS]} (default: {', '.join(check.DEFAULT)}; "
+                    f"on several GPUs, first {' or '.join(check.MULTI.values())}, over 4 of them or 2)")
     ap.add_argument("--budget_s", type=float, default=None,
                     help="start no config that would end past this (default: every config's timeout added up)")
     ap.add_argument("--compile_cache", default="/tmp/gpu_check_xla_cache", help="shared by the configs")
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         merged = check.merge(args.merge)
         print(check.write_report(merged["results"], merged["meta"]["device"], meta=merged["meta"]))
         return check.verdict(merged["results"])[0]
-    names = args.configs.split(",")
+    names = args.configs.split(",") if args.configs else list(check.default_configs(check.gpu_count()))
     unknown = sorted(set(names) - {c.name for c in check.CONFIGS})
     if unknown:
         ap.error(f"unknown config(s) {unknown}; known: {[c.name for c in check.CONFIGS]}")

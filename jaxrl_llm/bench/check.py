@@ -42,19 +42,35 @@ class Figure:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One child process: `python -m jaxrl_llm.bench *args`, its figures, and its expected seconds on a cold
-    compilation cache (what the time budget plans with; the timeout is TIMEOUT_FACTOR times it)."""
+    compilation cache (what the time budget plans with; the timeout is TIMEOUT_FACTOR times it). `gpus`: the GPUs it
+    runs on (the first `gpus` of the machine's: a one-GPU config on a 4-GPU machine sees one); a machine with fewer
+    does not run it."""
 
     name: str
     args: tuple[str, ...]
     figures: tuple[Figure, ...]
     expected_s: float
+    gpus: int = 1
 
 
 def _step1(key: str, name: str) -> Figure:
     return Figure(name, {"section": "e2e", "step": 1}, key)
 
 
-CONFIGS = (  # the order they run in: the 7B LoRA step first (issue 32's regression)
+def _seed_share(gpus: int) -> Config:
+    """Issue 40's figures: the 7B GRPO step at the seed's per-GPU share over `gpus` GPUs at fsdp `gpus`, full
+    fine-tuning, with XLA's overlap flags (as BENCHMARKS.md's headline ran): its wall seconds and the MFU of the
+    update and of the log-prob passes (higher is better)."""
+    tag = f"e2e_7b_fsdp{gpus}"
+    return Config(tag, E2E + ("--train_presets", "qwen2p5_7b", "--kv_cache", "paged", "--fsdp", str(gpus),
+                              "--xla_gpu_overlap"),
+                  (_step1("wall_s", f"{tag}_step_s"), _step1("perf/mfu/actor", f"{tag}_mfu_update"),
+                   _step1("perf/mfu/log_prob", f"{tag}_mfu_log_prob")), 300, gpus=gpus)
+
+
+CONFIGS = (  # the order they run in: a multi-GPU machine's own step first, then the 7B LoRA step (issue 32's)
+    _seed_share(4),
+    _seed_share(2),
     Config("e2e_7b_lora32", E2E + ("--train_presets", "qwen2p5_7b", "--lora_rank", "32"),
            (_step1("wall_s", "e2e_7b_lora32_step_s"), _step1("timing_s/gen", "gen_7b_seed_share_in_step_s")), 260),
     Config("e2e_1p5b", E2E + ("--train_presets", "qwen2p5_1p5b"), (_step1("wall_s", "e2e_1p5b_step_s"),), 150),
@@ -77,6 +93,15 @@ CONFIGS = (  # the order they run in: the 7B LoRA step first (issue 32's regress
 # The Qwen3.5 configs run with `--configs gen_qwen3_5_9b,e2e_qwen3_5_9b_lora32` until the 9B step has a recorded
 # figure (none yet: 2026-11-27); then they join the default list.
 DEFAULT = ("e2e_7b_lora32", "e2e_1p5b", "moe_update", "e2e_qwen3_1p7b", "gen_qwen3_8b")
+# On a machine of several GPUs: the seed-share step over 4 of them where it has 4, else over 2 (issue 40).
+MULTI = {4: "e2e_7b_fsdp4", 2: "e2e_7b_fsdp2"}
+
+
+def default_configs(gpus: int) -> tuple[str, ...]:
+    """What a call without --configs runs on a machine of `gpus` GPUs: the one-GPU list alone on one GPU; on
+    several, also the multi-GPU step (it runs first, CONFIGS' order), then the one-GPU list on the first GPU."""
+    multi = next((MULTI[n] for n in sorted(MULTI, reverse=True) if gpus >= n), None)
+    return ((multi,) if multi else ()) + DEFAULT
 TIMEOUT_FACTOR = 1.5  # a config's timeout: this times its expected seconds
 
 
@@ -147,13 +172,16 @@ def verdict(results: list[dict]) -> tuple[int, dict[str, int]]:
 
 
 def run_config(cfg: Config, out_dir: str, timeout_s: float, compile_cache: str):
-    """Runs `cfg` in a child process; (its rows, its device kind or None, an error or None)."""
+    """Runs `cfg` in a child process on the machine's first `cfg.gpus` GPUs; (its rows, its device kind or None, an
+    error or None)."""
     out = os.path.join(out_dir, cfg.name)
     cmd = [sys.executable, "-m", "jaxrl_llm.bench", *cfg.args, "--out", out, "--compile_cache", compile_cache]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_gpus(cfg.gpus)}
     error = None
     with open(os.path.join(out_dir, f"{cfg.name}.log"), "w") as log:
         try:
-            rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                env=env).returncode
             error = f"process exited {rc}" if rc else None
         except subprocess.TimeoutExpired:
             error = f"timed out after {timeout_s:.0f} s"
@@ -163,6 +191,23 @@ def run_config(cfg: Config, out_dir: str, timeout_s: float, compile_cache: str):
     with open(path) as f:
         got = json.load(f)
     return got["results"], got["meta"].get("device"), error
+
+
+def visible_gpus(n: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a child on the first `n` GPUs: of those this process was given, if it was given some."""
+    given = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return ",".join(given[:n] if given else (str(i) for i in range(n)))
+
+
+def gpu_count() -> int:
+    """The GPUs nvidia-smi lists (0 without a driver), limited to CUDA_VISIBLE_DEVICES where that is set."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    except FileNotFoundError:
+        return 0
+    listed = sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+    given = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return min(listed, len(given)) if given else listed
 
 
 def gpu_name() -> str:
@@ -195,9 +240,13 @@ def check(names, *, out_dir: str, budget_s: float | None, compile_cache: str, ba
     `Stopped` raised while a config runs makes its figures errors and the configs after it not run."""
     budget_s = default_budget_s(names) if budget_s is None else budget_s
     t_end = time.monotonic() + budget_s
-    device, results, stopped = gpu_name(), [], None
+    device, results, stopped, gpus = gpu_name(), [], None, gpu_count()
     for cfg in (c for c in CONFIGS if c.name in names):
         left = t_end - time.monotonic()
+        if cfg.gpus > max(gpus, 1):
+            results.extend(not_run(fig, f"it needs {cfg.gpus} GPUs and this machine has {gpus} (run it on a "
+                                        f"{cfg.gpus}-GPU kind)", device, baselines, cfg.name) for fig in cfg.figures)
+            continue
         if stopped is not None:
             results.extend(not_run(fig, f"the check was stopped ({stopped}) before it (run it alone with "
                                         f"--configs {cfg.name})", device, baselines, cfg.name) for fig in cfg.figures)

@@ -256,3 +256,44 @@ def test_the_report_is_written_after_each_config(fake_gpu, tmp_path, monkeypatch
     monkeypatch.setattr(check, "run_config", run_config)
     assert gpu_check_main()(["--work_dir", str(tmp_path / "work")]) == 0
     assert seen == [0, 2, 3, 4, 5]  # the 7B LoRA config has two figures
+
+
+def test_a_multi_gpu_machine_runs_its_seed_share_step_first_and_one_gpu_configs_on_one(monkeypatch):
+    assert check.default_configs(1) == check.default_configs(0) == check.DEFAULT
+    assert check.default_configs(2) == ("e2e_7b_fsdp2", *check.DEFAULT)
+    assert check.default_configs(4) == check.default_configs(8) == ("e2e_7b_fsdp4", *check.DEFAULT)
+    assert [c.name for c in check.CONFIGS][:2] == ["e2e_7b_fsdp4", "e2e_7b_fsdp2"]  # they run first
+    fsdp4 = next(c for c in check.CONFIGS if c.name == "e2e_7b_fsdp4")
+    assert fsdp4.gpus == 4 and fsdp4.args[fsdp4.args.index("--fsdp") + 1] == "4"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert (check.visible_gpus(1), check.visible_gpus(4)) == ("0", "0,1,2,3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")  # a machine's own restriction is kept
+    assert (check.visible_gpus(1), check.visible_gpus(2)) == ("2", "2,3")
+
+
+def test_the_four_gpu_step_is_not_run_on_fewer_gpus_and_its_mfu_regresses_when_lower(tmp_path, monkeypatch):
+    h200 = "NVIDIA H200"
+    base = check.load_baselines()
+    recorded = {name: spec["recorded"][h200]["value"] for name, spec in base["figures"].items()
+                if name.startswith("e2e_7b_fsdp4") and h200 in spec["recorded"]}
+    assert set(recorded) == {"e2e_7b_fsdp4_step_s", "e2e_7b_fsdp4_mfu_update", "e2e_7b_fsdp4_mfu_log_prob"}
+    scale, envs = {}, []
+
+    def run_config(cfg, out_dir, timeout_s, compile_cache):
+        envs.append(check.visible_gpus(cfg.gpus))
+        return [{**f.row, f.key: recorded[f.name] * scale.get(f.name, 1.0)} for f in cfg.figures], h200, None
+
+    monkeypatch.setattr(check, "run_config", run_config)
+    monkeypatch.setattr(check, "gpu_name", lambda: h200)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(check, "gpu_count", lambda: 1)
+    _, rows = check.check(["e2e_7b_fsdp4"], out_dir=str(tmp_path), budget_s=None, compile_cache="", baselines=base)
+    assert [r["status"] for r in rows] == ["not run"] * 3 and "needs 4 GPUs" in rows[0]["note"] and not envs
+    monkeypatch.setattr(check, "gpu_count", lambda: 4)
+    _, rows = check.check(["e2e_7b_fsdp4"], out_dir=str(tmp_path), budget_s=None, compile_cache="", baselines=base)
+    assert [r["status"] for r in rows] == ["ok"] * 3 and envs == ["0,1,2,3"]
+    scale["e2e_7b_fsdp4_mfu_update"] = 0.88  # 12% less MFU: higher is better, so this is the regression
+    scale["e2e_7b_fsdp4_step_s"] = 0.9  # and a faster step is fine
+    _, rows = check.check(["e2e_7b_fsdp4"], out_dir=str(tmp_path), budget_s=None, compile_cache="", baselines=base)
+    assert {r["config"]: r["status"] for r in rows} == {
+        "e2e_7b_fsdp4_step_s": "ok", "e2e_7b_fsdp4_mfu_update": "regression", "e2e_7b_fsdp4_mfu_log_prob": "ok"}
