@@ -9,7 +9,12 @@ Pareto tail up to 16,384), at temperature 1 with EOS off so every row runs to it
 compiles; later repeats report compile time apart. Each (preset, engine) runs in its own process, so its
 device peak is its own. Rows: seconds, compile seconds, tokens/s, row-steps (slots x decode steps) per
 token, the device's peak against the budget (gpu_memory_utilization x the allocator's limit), the pool's
-statistics. Random weights (init_params): the work's shape is the model's, the tokens are not.
+statistics, and (paged) where the seconds went: `phase_s` / `phase_calls`, the engine's host-side phases (prepare,
+plan, prefill, copy, pack, decode, commit, wait, hooks, loop_other, outside: rollout/shard.py), each prefill and
+copy call waited for so that its device time is its own. `--profile`: one more generate of the last repeat's work
+under `jax.profiler`, summarised as `gen_profile` rows (the top 25 kernels, `gen_profile_kernel`), their totals by
+kind (`gen_profile_by_kind`) and where the device's time went (`gen_profile_sorted`: matmul, attention,
+elementwise, gaps). Random weights (init_params): the work's shape is the model's, the tokens are not.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ option("--shard_work", choices=("drawn", "tiled"), default="drawn",
        "(a drawn call's longest response is the longest of K times the rows)")
 option("--log_compiles", action="store_true", help="gen, long: log every program's tracing, lowering and compile "
        "(or cache hit) to <out>/jaxlog_*.txt, to find what a warm cache misses")
+option("--profile", action="store_true", help="gen, long: after the repeats, one more generate under jax.profiler: "
+       "the top kernels and where the device's time goes (rows gen_profile*)")
+option("--gen_prompts", type=int, help="gen, long: prompts (x 5 responses) a GPU's share (default 128; long: 64)")
 option("--schedules", help="seed_gen: dense decode schedules (every<K>: drop finished rows every K steps)",
        default="every0,every64")
 option("--attentions", help="seed_gen: decode attentions to compare (xla,pallas)", default="xla")
@@ -118,7 +126,8 @@ def generation(opts, section: str):
         for engine in opts.engines.split(","):
             for devices in str(opts.devices).split(","):
                 one(preset, engine, section, opts.repeats, opts.attention, opts.max_num_seqs, opts.log_compiles,
-                    opts.out, devices=int(devices), shard_work=opts.shard_work)
+                    opts.out, devices=int(devices), shard_work=opts.shard_work, do_profile=bool(opts.profile),
+                    prompts=opts.gen_prompts)
 
 
 def workload(prompts_all: list, rep: int, per_gpu: int, n: int, devices: int, shard_work: str, lengths) -> tuple:
@@ -133,7 +142,8 @@ def workload(prompts_all: list, rep: int, per_gpu: int, n: int, devices: int, sh
 
 
 def one(preset: str, engine: str, section: str, repeats: int, attention: str, max_num_seqs: int,
-        log_compiles: bool = False, out_dir: str | None = None, devices: int = 1, shard_work: str = "drawn"):
+        log_compiles: bool = False, out_dir: str | None = None, devices: int = 1, shard_work: str = "drawn",
+        do_profile: bool = False, prompts: int | None = None):
     import logging
 
     from jaxrl_llm import sharding
@@ -155,11 +165,11 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
             lg = logging.getLogger(name)
             lg.setLevel(logging.DEBUG)
             lg.addHandler(log_handler)
-    extra = {"max_position_embeddings": 32768} if preset == "tiny" else {}  # the CPU smoke test
+    extra = {"max_position_embeddings": 32768} if preset.startswith("tiny") else {}  # the CPU smoke test
     cfg = PRESETS[preset](dtype="bfloat16", param_dtype="bfloat16", **extra)
     params = init_params(cfg, seed=0)
     jax.block_until_ready(params)
-    per_gpu, n = (128, 5) if section == "gen" else (64, 5)
+    per_gpu, n = (prompts or (128 if section == "gen" else 64)), 5
     prompts_all = gsm8k_prompts(per_gpu * devices * (repeats + 1), vocab_size=cfg.vocab_size)
     max_new = 1024 if section == "gen" else 16384
     mesh = sharding.make_mesh(1, devices, 1, devices=jax.devices()[:devices]) if devices > 1 else None
@@ -168,7 +178,7 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
                              max_prompt_length=512, decode_attention=attention)
     else:
         eng = JaxEngine(cfg, params, mesh=mesh, dtype="bfloat16", max_prompt_length=512, decode_attention=attention,
-                        max_num_seqs=max_num_seqs, max_model_len=512 + max_new)
+                        max_num_seqs=max_num_seqs, max_model_len=512 + max_new, phase_timing=True)
     eng.trace = engine == "dense"  # the dense engine counts its row-steps in its phase trace
     params = None
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
@@ -201,9 +211,16 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
              **{f"kv_{k}": v for k, v in stats.items() if k in (
                  "num_pages", "kv_bytes", "preemptions", "segments", "prefill_calls", "shared_pages", "copies",
                  "workspace_bytes", "shard_segments", "shard_seconds", "plan_s", "stolen", "programs_compiled",
-                 "programs_moved", "programs_loaded")},
+                 "programs_moved", "programs_loaded", "state_copies", "state_slots", "slot_cap", "decode_steps",
+                 "row_steps", "prefill_tokens")},
+             **{k: stats[k] for k in ("phase_s", "phase_calls") if k in stats},
              events={k: [v[0], round(v[1], 3)] for k, v in sorted(compiles.events.items())},
              programs={k: round(v, 2) for k, v in getattr(getattr(eng, "_programs", None), "stats", {}).items()})
+    if do_profile:  # the last repeat's work again (its programs warm), traced
+        trace.profile(lambda: eng.generate(prompts, sp.replace(seed=repeats), max_new_tokens_per_row=lens),
+                      f"{section}_profile", top=25)
+        emit(section=f"{section}_profile_phases", preset=preset, engine=engine,
+             **{k: getattr(eng, "last_stats", {}).get(k) for k in ("seconds", "phase_s", "phase_calls")})
 
 
 @section("seed_gen", help="the seed step's generation on the dense engine, phase by phase, per decode schedule and "

@@ -87,6 +87,8 @@ class JaxEngine(EngineMemory, EngineWeights):
       share_prompt_pages: the n samples of a prompt share its prompt's pages.
       warm_programs: build every program of the ladders before the first call: "auto" (on accelerators; on
         the CPU programs compile when first needed), True or False.
+      phase_timing: each prefill and copy call waits for its pool, so `last_stats["phase_s"]` gives each phase of
+        a call its own device time (rollout/shard.py); off, they run on and their time lands in the next wait.
       linear_state_dtype: the dtype of a Qwen3.5 linear layer's recurrent state in the engine's state slots:
         "auto" (the engine's `dtype`), "float32" (as transformers keeps it) or "bfloat16" (half what a decode
         step reads and writes).
@@ -97,7 +99,7 @@ class JaxEngine(EngineMemory, EngineWeights):
                  max_num_batched_tokens: int = 8192, page_size: int = 16, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, free_cache_engine: bool = True,
                  decode_attention: str = "auto", max_segment: int = 64, share_prompt_pages: bool = True,
-                 warm_programs: bool | str = "auto", linear_state_dtype: str = "auto"):
+                 warm_programs: bool | str = "auto", linear_state_dtype: str = "auto", phase_timing: bool = False):
         _check(page_size >= 1 and page_size & (page_size - 1) == 0, "rollout.page_size",
                f"{page_size}: use a power of two (16 is vLLM's default)")
         _check(max_num_seqs >= 1, "rollout.max_num_seqs", f"{max_num_seqs}: need >= 1")
@@ -129,6 +131,7 @@ class JaxEngine(EngineMemory, EngineWeights):
         self.max_segment = max_segment
         self.share_prompt_pages = share_prompt_pages
         self.warm_programs = (jax.devices()[0].platform != "cpu") if warm_programs == "auto" else bool(warm_programs)
+        self.phase_timing = phase_timing
         self._tensor = self.mesh.shape.get("tensor", 1)
         self.shards = self._make_shards()
         me = jax.process_index()  # the global index, as devices carry it (not the side's, distributed.set_group)
@@ -299,6 +302,7 @@ class JaxEngine(EngineMemory, EngineWeights):
         shard_stats: list[dict] = []
         try:
             budget = self.prepare(spec, len(rows), longest, len(longest_row.ids), longest_row.max_tokens)
+            prepare_s = time.perf_counter() - t0
             groups = [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
             dealer = Dealer(deal(groups, len(self.shards)), [s.index for s in self.local_shards], steal=self._steal)
             shard_stats = self.run_shards(dealer, spec)
@@ -308,6 +312,7 @@ class JaxEngine(EngineMemory, EngineWeights):
         if distributed.process_count() > 1:
             self._gather(rows, store, dealer)
         self.last_stats = self._stats(shard_stats, budget, dealer, before, time.perf_counter() - t0, store)
+        self.last_stats.update(_phases(shard_stats, prepare_s, self.last_stats["seconds"]))
         return self._result(rows, store, len(prompts), n, spec)
 
     def paged_spec(self, prompts, sampling: SamplingParams, row_max: np.ndarray):
@@ -415,6 +420,22 @@ class JaxEngine(EngineMemory, EngineWeights):
                                    max_batched_tokens=self.max_num_batched_tokens,
                                    max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs,
                                    max_rows=self.prefill_row_cap())
+
+
+def _phases(shard_stats: list[dict], prepare_s: float, seconds: float) -> dict:
+    """A call's seconds by phase: `prepare` (the pools' budget, programs built, pools allocated), each loop phase
+    summed over the shards (rollout/shard.py, PHASES), the shards' loops outside those phases (`loop_other`), and
+    the call's time outside the longest shard's loop (`outside`: dealing, releasing the pools, gathering). On one
+    shard they add up to `seconds`; `phase_calls` counts each phase's calls."""
+    phase_s = {"prepare": prepare_s}
+    calls = {"prepare": 1}
+    for st in shard_stats:
+        for k, v in st["phase_s"].items():
+            phase_s[k] = phase_s.get(k, 0.0) + v
+            calls[k] = calls.get(k, 0) + st["phase_calls"][k]
+    phase_s["loop_other"] = sum(st["seconds"] - sum(st["phase_s"].values()) for st in shard_stats)
+    phase_s["outside"] = seconds - prepare_s - max((st["seconds"] for st in shard_stats), default=0.0)
+    return {"phase_s": {k: round(v, 4) for k, v in phase_s.items()}, "phase_calls": calls}
 
 
 def key_data(seed: int) -> np.ndarray:

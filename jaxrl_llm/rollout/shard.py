@@ -12,6 +12,11 @@ so every shard's devices already hold a whole copy, and the view is built from t
 Per decode segment the host does array operations only (the scheduler's growth and commit) and makes one
 host-to-device copy of the packed inputs (rollout/paged_decode.py, DECODE_COLS) and one device-to-host copy
 of the outputs.
+
+Where a request's seconds go (`phase_s`, `phase_calls` in the shard's statistics, `PHASES`): the host clocks every
+phase of the loop. Prefill and copy calls are dispatched without waiting, so their device time lands in the next
+call that waits (the decode's fetch) unless the engine's `phase_timing` is on: then each prefill and copy call
+waits for its pool (`block_until_ready`), and each phase's seconds are its own (the bench's `gen` section).
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ from jaxrl_llm.rollout.ladders import Chunk
 from jaxrl_llm.rollout.page_pool import PagePool
 from jaxrl_llm.rollout.routing import record_routes
 from jaxrl_llm.rollout.scheduler import Plan, Scheduler
+
+# The loop's phases: planning (admission, growth), prefill calls, page and state copies (copy on write, the state
+# forks of a prompt's samples), a segment's packing, its decode call (dispatch to fetched outputs), its commit,
+# waiting for rows (a shard run dry) and the stream's hooks between segments.
+PHASES = ("plan", "prefill", "copy", "pack", "decode", "commit", "wait", "hooks")
 
 
 class Shard:
@@ -96,29 +106,47 @@ class Shard:
         sched = Scheduler(PagePool(self.num_pages, eng.page_size), source, slot_cap=lad.slot_cap,
                           max_seg=eng.max_segment, width=lad.width, share_prompts=eng.share_prompt_pages,
                           states=states)
-        st = dict(segments=0, decode_steps=0, row_steps=0, prefill_calls=0, plan_s=0.0, tokens=0)
+        st = dict(segments=0, decode_steps=0, row_steps=0, prefill_calls=0, plan_s=0.0, tokens=0,
+                  phase_s=dict.fromkeys(PHASES, 0.0), phase_calls=dict.fromkeys(PHASES, 0))
         t0 = time.perf_counter()
         while not stop.is_set():
             if hooks is not None:
+                t = time.perf_counter()
                 hooks.at_boundary(self, sched)
+                _clock(st, "hooks", t)
             if sched.done():
                 break
             t = time.perf_counter()
             plan = sched.plan()
-            st["plan_s"] += time.perf_counter() - t
+            st["plan_s"] += _clock(st, "plan", t)
             for call in lad.calls(plan.prefills):
+                t = time.perf_counter()
                 self._prefill(call, spec)
+                self._sync()
+                _clock(st, "prefill", t)
                 st["prefill_calls"] += 1
             if len(plan.copies[0]) or len(plan.state_copies[0]):
+                t = time.perf_counter()
                 self._copy(plan.copies, plan.state_copies)
+                self._sync()
+                _clock(st, "copy", t)
             if plan.live:
                 done = self._segment(plan, sched, spec, st)
                 if hooks is not None and done:
+                    t = time.perf_counter()
                     hooks.finished(done)
+                    _clock(st, "hooks", t)
             elif not plan.prefills:
+                t = time.perf_counter()
                 source.wait()  # nothing to run here now: until rows come, or none can
+                _clock(st, "wait", t)
         st.update(sched.stats, seconds=time.perf_counter() - t0)
         return st
+
+    def _sync(self) -> None:
+        """Waits for the pool's last update where the engine times its phases (else the call runs on)."""
+        if getattr(self.engine, "phase_timing", False):
+            jax.block_until_ready(self.pool)
 
     def _prefill(self, call: list[Chunk], spec) -> None:
         eng, lad = self.engine, self.engine.ladders
@@ -162,17 +190,27 @@ class Shard:
         packed[:n, w + 8: w + 10] = sched.keys[:n]
         packed[:n, w + 10] = sched.slot[:n]
         prog = self.engine._shard_program(self, "_decode", (self.params, self.pool, packed), {"spec": spec})
-        st["plan_s"] += time.perf_counter() - t0
+        st["plan_s"] += _clock(st, "pack", t0)
+        t0 = time.perf_counter()
         self.pool, out = prog(self.params, self.pool, self.put(packed))
         out = distributed.fetch_tree(out)
+        _clock(st, "decode", t0)
         t0 = time.perf_counter()
         if "routing" in out:  # step j fed position ctx + j
             for i in range(n):
                 record_routes(sched.rows[i], int(sched.ctx[i]), out["routing"][i, : int(out["count"][i])])
         done = sched.commit(out["tokens"], out["logps"], out["count"], out["active"], self.version)
-        st["plan_s"] += time.perf_counter() - t0
+        st["plan_s"] += _clock(st, "commit", t0)
         st["segments"] += 1
         st["decode_steps"] += int(out["steps"])
         st["row_steps"] += int(out["steps"]) * s
         st["tokens"] += int(out["count"][:n].sum())
         return done
+
+
+def _clock(st: dict, phase: str, t0: float) -> float:
+    """Adds the seconds since `t0` to `phase` of the shard's statistics (and one call); returns them."""
+    dt = time.perf_counter() - t0
+    st["phase_s"][phase] += dt
+    st["phase_calls"][phase] += 1
+    return dt
