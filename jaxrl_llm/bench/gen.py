@@ -19,6 +19,7 @@ elementwise, gaps). Random weights (init_params): the work's shape is the model'
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -192,8 +193,11 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
         try:
             out = eng.generate(prompts, sp.replace(seed=rep), max_new_tokens_per_row=lens)
         except Exception as e:  # noqa: BLE001 (the row records the failure, e.g. out of memory)
+            budget = getattr(eng, "_budget", None)
             emit(section=section, preset=preset, engine=engine, devices=devices, shard_work=shard_work, rep=rep,
-                 error=f"{type(e).__name__}: {str(e)[:300]}")
+                 error=f"{type(e).__name__}: {str(e)[:300]}",
+                 **({"budget": dataclasses.asdict(budget)} if dataclasses.is_dataclass(budget) else {}))
+            program_memory(eng, section)
             return
         dt = time.perf_counter() - t0
         assert np.array_equal(out.lengths, lens)
@@ -201,6 +205,8 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
         stats = getattr(eng, "last_stats", {})
         row_steps = stats["row_steps"] if engine == "paged" else sum(
             r["rows"] * (r["t1"] - r["t0"]) for r in eng.last_trace if r["phase"] == "decode")
+        if rep == 0:
+            program_memory(eng, section)
         emit(section=section, preset=preset, engine=engine, devices=devices, shard_work=shard_work,
              attention=eng.decode_attention, rep=rep,
              seconds=round(dt, 3), compile_s=round(compiles.seconds, 3), tokens=int(lens.sum()),
@@ -221,6 +227,27 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
                       f"{section}_profile", top=25)
         emit(section=f"{section}_profile_phases", preset=preset, engine=engine,
              **{k: getattr(eng, "last_stats", {}).get(k) for k in ("seconds", "phase_s", "phase_calls")})
+
+
+def program_memory(eng, section: str) -> None:
+    """A `<section>_programs` row per program the paged engine's first shard holds: its input's shape and XLA's
+    memory analysis (GiB of temporaries, outputs, outputs aliased to donated inputs, arguments), to find a
+    program whose memory the budget's workspace estimate does not cover."""
+    shard = getattr(eng, "_base", None) if hasattr(eng, "local_shards") else None
+    if shard is None:
+        return
+    gib = lambda b: round(b / 2**30, 3)
+    for (name, shape, static), compiled in sorted(shard.programs.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        try:
+            m = compiled.memory_analysis()
+        except Exception:  # noqa: BLE001 (a backend without the analysis)
+            m = None
+        if m is None:
+            continue
+        emit(section=f"{section}_programs", program=name, input_shape=list(shape),
+             static={k: v for k, v in static if k != "spec"}, temp_gib=gib(m.temp_size_in_bytes),
+             out_gib=gib(m.output_size_in_bytes), alias_gib=gib(m.alias_size_in_bytes),
+             args_gib=gib(m.argument_size_in_bytes), workspace_gib=gib(getattr(eng._budget, "workspace", 0)))
 
 
 @section("seed_gen", help="the seed step's generation on the dense engine, phase by phase, per decode schedule and "

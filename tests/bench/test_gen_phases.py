@@ -1,5 +1,6 @@
 """The gen section's breakdown on the tiny Qwen3.5 (hybrid) model on the CPU: every repeat's row says where its
-seconds went (the paged engine's phases, each with its calls), and `--profile` adds a traced generate's rows."""
+seconds went (the paged engine's phases, each with its calls), each program's compiled memory gets a row, and
+`--profile` adds a traced generate's rows."""
 
 import pytest
 
@@ -30,3 +31,6 @@ def test_gen_rows_break_a_hybrid_generation_into_phases_and_a_profile(own_rows, 
     (where,) = by["gen_profile_sorted"]
     assert where["span_ms"] > 0 and where["matmul_ms"] > 0
     assert by["gen_profile"] and by["gen_profile_by_kind"]
+    programs = {r["program"] for r in by["gen_programs"]}  # each program's compiled memory, after repeat 0
+    assert {"_decode", "_prefill", "_copy"} <= programs
+    assert all(r["temp_gib"] >= 0 and r["args_gib"] > 0 for r in by["gen_programs"])
