@@ -105,7 +105,8 @@ class EngineMemory:
         width = self.ladders.width
         model_len = self.max_model_len or width * self.page_size  # tokens a row holds at most
         unbounded = self.max_num_seqs * pages_for(model_len, self.page_size) + 1
-        want = size_pool(page_bytes=self.page_bytes(), workspace=self.workspace_bytes(width),
+        workspace = max(self.workspace_bytes(width), self._workspace_floor)  # the floor: what built programs showed
+        want = size_pool(page_bytes=self.page_bytes(), workspace=workspace,
                          gpu_memory_utilization=self.gpu_memory_utilization,
                          kv_cache_memory_bytes=self.kv_cache_memory_bytes, unbounded_pages=unbounded,
                          device=self._base.devices[0])
@@ -227,3 +228,15 @@ def _device_bytes(x) -> int:
     sh = getattr(x, "sharding", None)
     shape = x.shape if sh is None else sh.shard_shape(x.shape)
     return int(np.prod(shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+
+
+def beside_inputs(compiled) -> int:
+    """Bytes a compiled program needs beyond its inputs: temporaries and the outputs not aliased to donated
+    inputs (0 where the backend gives no analysis)."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 (a backend without the analysis)
+        return 0
+    if m is None:
+        return 0
+    return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)

@@ -49,7 +49,7 @@ from jaxrl_llm.models.config import Qwen2Config
 from jaxrl_llm.rollout import paged_decode
 from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from jaxrl_llm.rollout.dealer import Dealer, deal
-from jaxrl_llm.rollout.engine_memory import EngineMemory
+from jaxrl_llm.rollout.engine_memory import EngineMemory, beside_inputs
 from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets, row_streams
 from jaxrl_llm.rollout.ladders import Ladders, pow2
 from jaxrl_llm.rollout.page_pool import pages_for
@@ -57,7 +57,7 @@ from jaxrl_llm.rollout.programs import Programs, default_dir
 from jaxrl_llm.rollout.routing import routed_experts_of_rows
 from jaxrl_llm.rollout.rows import Row, RowStore
 from jaxrl_llm.rollout.scheduler import slot_ladder, slot_width
-from jaxrl_llm.rollout.shard import Shard
+from jaxrl_llm.rollout.shard import Shard, call_phases
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,8 @@ class JaxEngine(EngineMemory, EngineWeights):
         self._budget = None
         self._programs: Programs | None = None
         self._alloc_fns: dict = {}
-        self._warmed: set = set()
+        self._warmed: dict = {}  # (spec, top slots, pages, ladders) -> the largest temporaries of their programs
+        self._workspace_floor = 0  # bytes the built programs showed they need beside the pool (engine_memory)
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self.last_stats: dict = {}
         if params is not None:
@@ -248,15 +249,18 @@ class JaxEngine(EngineMemory, EngineWeights):
         shard.programs[memo] = moved
         return moved
 
-    def _warm(self, spec, rows: int, budget) -> None:
+    def _warm(self, spec, rows: int, budget) -> int:
         """Builds every program this call's shards can reach (decode over each slot bucket up to the rows a
         shard may hold, the prefill and copy ladders) in parallel threads, before the pools are allocated (so
-        XLA's autotuning has the device's memory); then loads them onto the other shards."""
+        XLA's autotuning has the device's memory); then loads them onto the other shards. Returns the most bytes
+        one of them needs beside its inputs (XLA's temporaries and new outputs; 0 where nothing is built)."""
         lad, base = self.ladders, self._base
         top = slot_width(min(lad.slot_cap, rows), lad.slot_cap)  # the widest segment a shard runs
         num_pages = budget.num_pages
-        if not self.warm_programs or (spec, top, num_pages, lad) in self._warmed:
-            return
+        if not self.warm_programs:
+            return 0
+        if (spec, top, num_pages, lad) in self._warmed:
+            return self._warmed[(spec, top, num_pages, lad)]
         pool = self.abstract_pool(spec, num_pages, budget.state_slots, base)
         params = base.params
         shapes = [("_decode", (params, pool, np.zeros((s, lad.width + paged_decode.DECODE_COLS), np.int32)),
@@ -272,12 +276,14 @@ class JaxEngine(EngineMemory, EngineWeights):
         items = [(name, getattr(type(self), name), self, self._abstract(args, base.mesh), static)
                  for name, args, static in shapes]
         programs.warm(items, context=lambda: jax.set_mesh(base.mesh))
+        need = max(beside_inputs(programs.get(*item)) for item in items)  # held now: no build
         moves = [(shard, *shape) for shard in self.local_shards[1:] for shape in shapes]
         if moves:  # loading an executable (about 0.5 s for a 7B program on a GPU) releases the GIL: in parallel
             with concurrent.futures.ThreadPoolExecutor(min(programs.threads, len(moves))) as ex:
                 for f in [ex.submit(self._shard_program, *m) for m in moves]:
                     f.result()
-        self._warmed.add((spec, top, num_pages, lad))
+        self._warmed[(spec, top, num_pages, lad)] = need
+        return need
 
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
@@ -312,7 +318,7 @@ class JaxEngine(EngineMemory, EngineWeights):
         if distributed.process_count() > 1:
             self._gather(rows, store, dealer)
         self.last_stats = self._stats(shard_stats, budget, dealer, before, time.perf_counter() - t0, store)
-        self.last_stats.update(_phases(shard_stats, prepare_s, self.last_stats["seconds"]))
+        self.last_stats.update(call_phases(shard_stats, prepare_s, self.last_stats["seconds"]))
         return self._result(rows, store, len(prompts), n, spec)
 
     def paged_spec(self, prompts, sampling: SamplingParams, row_max: np.ndarray):
@@ -324,12 +330,23 @@ class JaxEngine(EngineMemory, EngineWeights):
         """Before any work: the table width and the pools' size (refusing what cannot fit), the programs built,
         each local shard's pool allocated. Returns the pools' budget."""
         self._fix_width(longest)
-        with jax.set_mesh(self.mesh):
-            budget = self._pool_budget(longest)
-        if budget.slot_cap and budget.slot_cap != self.ladders.slot_cap:  # state slots bound the rows decoded at once
-            self.ladders = dataclasses.replace(self.ladders, slot_cap=budget.slot_cap)
-        self._check_fits(budget, longest, prompt_len, max_new)
-        self._warm(spec, rows, budget)
+        for _ in range(3):
+            with jax.set_mesh(self.mesh):
+                budget = self._pool_budget(longest)
+            if budget.slot_cap and budget.slot_cap != self.ladders.slot_cap:  # state slots bound the rows at once
+                self.ladders = dataclasses.replace(self.ladders, slot_cap=budget.slot_cap)
+            self._check_fits(budget, longest, prompt_len, max_new)
+            need = self._warm(spec, rows, budget)
+            # A pool sized from the device's share leaves `workspace` for the programs' temporaries, estimated from
+            # shapes; built, XLA's own figure is known. Where a program needs more, the pool is sized again
+            # leaving that (and its programs built again), instead of that program running out of memory.
+            if budget.source != "gpu_memory_utilization" or need <= budget.workspace:
+                break
+            log.warning("paged engine: a program needs %.2f GiB beside its inputs, over the %.2f GiB workspace the "
+                        "pool was sized with; sizing the pool again", need / 2**30, budget.workspace / 2**30)
+            self._workspace_floor = need
+            self._budget = None
+            self.release()
         for s in self.local_shards:
             if s.pool is None:
                 s.alloc(budget.num_pages, spec, budget.state_slots)
@@ -420,22 +437,6 @@ class JaxEngine(EngineMemory, EngineWeights):
                                    max_batched_tokens=self.max_num_batched_tokens,
                                    max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs,
                                    max_rows=self.prefill_row_cap())
-
-
-def _phases(shard_stats: list[dict], prepare_s: float, seconds: float) -> dict:
-    """A call's seconds by phase: `prepare` (the pools' budget, programs built, pools allocated), each loop phase
-    summed over the shards (rollout/shard.py, PHASES), the shards' loops outside those phases (`loop_other`), and
-    the call's time outside the longest shard's loop (`outside`: dealing, releasing the pools, gathering). On one
-    shard they add up to `seconds`; `phase_calls` counts each phase's calls."""
-    phase_s = {"prepare": prepare_s}
-    calls = {"prepare": 1}
-    for st in shard_stats:
-        for k, v in st["phase_s"].items():
-            phase_s[k] = phase_s.get(k, 0.0) + v
-            calls[k] = calls.get(k, 0) + st["phase_calls"][k]
-    phase_s["loop_other"] = sum(st["seconds"] - sum(st["phase_s"].values()) for st in shard_stats)
-    phase_s["outside"] = seconds - prepare_s - max((st["seconds"] for st in shard_stats), default=0.0)
-    return {"phase_s": {k: round(v, 4) for k, v in phase_s.items()}, "phase_calls": calls}
 
 
 def key_data(seed: int) -> np.ndarray:

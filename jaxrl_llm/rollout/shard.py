@@ -214,3 +214,19 @@ def _clock(st: dict, phase: str, t0: float) -> float:
     st["phase_s"][phase] += dt
     st["phase_calls"][phase] += 1
     return dt
+
+
+def call_phases(shard_stats: list[dict], prepare_s: float, seconds: float) -> dict:
+    """A call's seconds by phase: `prepare` (the pools' budget, programs built, pools allocated), each loop phase
+    summed over the shards (PHASES), the shards' loops outside those phases (`loop_other`), and
+    the call's time outside the longest shard's loop (`outside`: dealing, releasing the pools, gathering). On one
+    shard they add up to `seconds`; `phase_calls` counts each phase's calls."""
+    phase_s = {"prepare": prepare_s}
+    calls = {"prepare": 1}
+    for st in shard_stats:
+        for k, v in st["phase_s"].items():
+            phase_s[k] = phase_s.get(k, 0.0) + v
+            calls[k] = calls.get(k, 0) + st["phase_calls"][k]
+    phase_s["loop_other"] = sum(st["seconds"] - sum(st["phase_s"].values()) for st in shard_stats)
+    phase_s["outside"] = seconds - prepare_s - max((st["seconds"] for st in shard_stats), default=0.0)
+    return {"phase_s": {k: round(v, 4) for k, v in phase_s.items()}, "phase_calls": calls}
