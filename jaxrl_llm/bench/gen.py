@@ -11,7 +11,8 @@ device peak is its own. Rows: seconds, compile seconds, tokens/s, row-steps (slo
 token, the device's peak against the budget (gpu_memory_utilization x the allocator's limit), the pool's
 statistics, and (paged) where the seconds went: `phase_s` / `phase_calls`, the engine's host-side phases (prepare,
 plan, prefill, copy, pack, decode, commit, wait, hooks, loop_other, outside: rollout/shard.py), each prefill and
-copy call waited for so that its device time is its own. `--profile`: one more generate of the last repeat's work
+copy call waited for so that its device time is its own with `--phase_timing` (syncs the recorded figures do not
+have; `--profile` turns it on). `--profile`: one more generate of the last repeat's work
 under `jax.profiler`, summarised as `gen_profile` rows (the top 25 kernels, `gen_profile_kernel`), their totals by
 kind (`gen_profile_by_kind`) and where the device's time went (`gen_profile_sorted`: matmul, attention,
 elementwise, gaps). Random weights (init_params): the work's shape is the model's, the tokens are not.
@@ -51,6 +52,8 @@ option("--log_compiles", action="store_true", help="gen, long: log every program
        "(or cache hit) to <out>/jaxlog_*.txt, to find what a warm cache misses")
 option("--profile", action="store_true", help="gen, long: after the repeats, one more generate under jax.profiler: "
        "the top kernels and where the device's time goes (rows gen_profile*)")
+option("--phase_timing", action="store_true", help="gen, long: each prefill and copy call waited for, so that "
+       "phase_s gives each phase its own device time (adds syncs: off for the recorded figures; --profile turns it on)")
 option("--gen_prompts", type=int, help="gen, long: prompts (x 5 responses) a GPU's share (default 128; long: 64)")
 option("--schedules", help="seed_gen: dense decode schedules (every<K>: drop finished rows every K steps)",
        default="every0,every64")
@@ -128,7 +131,7 @@ def generation(opts, section: str):
             for devices in str(opts.devices).split(","):
                 one(preset, engine, section, opts.repeats, opts.attention, opts.max_num_seqs, opts.log_compiles,
                     opts.out, devices=int(devices), shard_work=opts.shard_work, do_profile=bool(opts.profile),
-                    prompts=opts.gen_prompts)
+                    prompts=opts.gen_prompts, phase_timing=bool(opts.phase_timing or opts.profile))
 
 
 def workload(prompts_all: list, rep: int, per_gpu: int, n: int, devices: int, shard_work: str, lengths) -> tuple:
@@ -144,7 +147,7 @@ def workload(prompts_all: list, rep: int, per_gpu: int, n: int, devices: int, sh
 
 def one(preset: str, engine: str, section: str, repeats: int, attention: str, max_num_seqs: int,
         log_compiles: bool = False, out_dir: str | None = None, devices: int = 1, shard_work: str = "drawn",
-        do_profile: bool = False, prompts: int | None = None):
+        do_profile: bool = False, prompts: int | None = None, phase_timing: bool = False):
     import logging
 
     from jaxrl_llm import sharding
@@ -179,7 +182,7 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
                              max_prompt_length=512, decode_attention=attention)
     else:
         eng = JaxEngine(cfg, params, mesh=mesh, dtype="bfloat16", max_prompt_length=512, decode_attention=attention,
-                        max_num_seqs=max_num_seqs, max_model_len=512 + max_new, phase_timing=True)
+                        max_num_seqs=max_num_seqs, max_model_len=512 + max_new, phase_timing=phase_timing)
     eng.trace = engine == "dense"  # the dense engine counts its row-steps in its phase trace
     params = None
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
