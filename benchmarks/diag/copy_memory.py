@@ -1,11 +1,14 @@
 """Diagnostics: the paged engine's copy program (copy on write of pages, and the state forks of a prompt's samples)
-at Qwen3.5-9B's shapes, compiled, not run: XLA's memory analysis, as the engine builds it and with each linear
-layer's gather ordered after the previous layer's scatter (an optimization barrier, as the decode step has).
+at Qwen3.5-9B's shapes, compiled, not run: XLA's memory analysis, as the engine builds it (each linear layer's
+gather ordered after the previous layer's scatter by an optimization barrier) and unchained (as it was built before).
 
-The copy program takes `copy_slots` = pow2(slot cap) pairs whatever a round copies: at the default max_num_seqs the
-9B's slot cap is about 565, so 1,024 pairs, and a linear layer's gathered rows are [1024, 32, 128, 128] bf16 =
-1 GiB; if XLA keeps the 24 layers' gathers alive together, that is 24 GiB, the allocation the first rollout at the
-default asked for (BENCHMARKS.md). No weights are needed: it compiles in seconds.
+The copy program's widest form takes pow2(slot cap) pairs (a round's call takes the narrowest width of the copy
+ladder that covers its pairs, rollout/ladders.py): at the default max_num_seqs the 9B's slot cap is about 565, so
+1,024 pairs, and a linear layer's gathered rows are [1024, 32, 128, 128] bf16 = 1 GiB; where XLA keeps the 24
+layers' gathers alive together, that is 24 GiB, the allocation the first rollout at the default asked for
+(BENCHMARKS.md). On the GPU the chained form should hold about one layer's. XLA's CPU pipeline drops optimization
+barriers before scheduling and widens bf16 scatters to fp32, so the CPU's figures say nothing about the chain. No
+weights are needed: it compiles in seconds.
 
     python benchmarks/diag/copy_memory.py 1024,707,27100 256,321,51453    # C (pairs), state slots, pages
 """
@@ -20,23 +23,18 @@ from jaxrl_llm.models import DecoderConfig
 from jaxrl_llm.rollout import JaxEngine, SamplingParams, paged_decode
 
 
-def chained_copy_pages(pool, src, dst, state_src=None, state_dst=None):
-    """`paged_decode.copy_pages` with each linear layer's copy waiting for the previous one's."""
+def unchained_copy_pages(pool, src, dst, state_src=None, state_dst=None):
+    """`paged_decode.copy_pages` as it was: nothing orders the linear layers' copies."""
     def local(k, v, s, d):
         s, d = s[0], d[0]
         return k.at[:, d].set(k[:, s]), v.at[:, d].set(v[:, s])
 
-    out, after = [], None
-    for entry in pool:
-        if paged_decode.is_state(entry):
-            conv, rec, _ = jax.lax.optimization_barrier((*entry, after))
-            entry = conv.at[state_dst].set(conv[state_src]), rec.at[state_dst].set(rec[state_src])
-            after = entry[1]
-        else:
-            entry = paged_decode._per_shard(local, (*entry, src, dst), ("pool", "pool", "rows", "rows"),
-                                            ("pool", "pool"))
-        out.append(entry)
-    return out
+    def states(conv, rec):
+        return conv.at[state_dst].set(conv[state_src]), rec.at[state_dst].set(rec[state_src])
+
+    return [states(*entry) if paged_decode.is_state(entry)
+            else paged_decode._per_shard(local, (*entry, src, dst), ("pool", "pool", "rows", "rows"), ("pool", "pool"))
+            for entry in pool]
 
 
 def main():
@@ -51,7 +49,7 @@ def main():
         c, slots, pages = map(int, arg.split(","))
         pool = eng.abstract_pool(spec, pages, slots, base)
         args = eng._abstract((pool, np.zeros((4, c), np.int32)), base.mesh)
-        for label, fn in (("as built", original), ("chained", chained_copy_pages)):
+        for label, fn in (("as built", original), ("unchained", unchained_copy_pages)):
             paged_decode.copy_pages = fn
             jax.clear_caches()  # else the second lowering reuses the first trace
             with jax.set_mesh(base.mesh):

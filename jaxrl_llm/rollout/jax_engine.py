@@ -18,9 +18,10 @@ Per `generate` call:
 * **Scheduler** (rollout/scheduler.py): admission while pages and slots are free, refills as rows finish,
   the newest preempted and recomputed when pages run out; the n samples of a prompt share its prompt pages.
 * **Programs** (rollout/ladders.py, rollout/programs.py): decode segments of up to `max_segment` steps over a
-  slot bucket and a block table of fixed width (`max_model_len`), prefill chunks and copies from fixed
-  ladders. They are built ahead in parallel before the first call, once for the first shard, and loaded onto
-  every other shard's devices; nothing compiles at a later call. `last_stats` counts what a call compiled.
+  slot bucket and a block table of fixed width (`max_model_len`), prefill chunks and copies (of a model with
+  state slots, a ladder of widths: a round's state forks move about what they copy) from fixed ladders. They
+  are built ahead in parallel before the first call, once for the first shard, and loaded onto every other
+  shard's devices; nothing compiles at a later call. `last_stats` counts what a call compiled.
 
 Greedy tokens and log-probs equal the dense engine's (rollout/dense_engine.py) and transformers'. Random draws
 too: row r's token t is drawn from fold_in(fold_in(key(seed), r), t) in both engines, whatever shard, batch or
@@ -51,7 +52,7 @@ from jaxrl_llm.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from jaxrl_llm.rollout.dealer import Dealer, deal
 from jaxrl_llm.rollout.engine_memory import EngineMemory, beside_inputs
 from jaxrl_llm.rollout.engine_weights import EngineWeights, resolve_decode_attention, row_budgets, row_streams
-from jaxrl_llm.rollout.ladders import Ladders, pow2
+from jaxrl_llm.rollout.ladders import MIN_COPY, Ladders, pow2
 from jaxrl_llm.rollout.page_pool import pages_for
 from jaxrl_llm.rollout.programs import Programs, default_dir
 from jaxrl_llm.rollout.routing import routed_experts_of_rows
@@ -271,7 +272,7 @@ class JaxEngine(EngineMemory, EngineWeights):
                     packed = np.zeros((b, length + lad.table_width(length, fresh) + paged_decode.PREFILL_COLS),
                                       np.int32)
                     shapes.append(("_prefill", (params, pool, packed), {"spec": spec, "length": length}))
-        shapes.append(("_copy", (pool, np.zeros((4, lad.copy_slots), np.int32)), {}))
+        shapes += [("_copy", (pool, np.zeros((4, c), np.int32)), {}) for c in lad.copy_widths]
         programs = self._programs_for()
         items = [(name, getattr(type(self), name), self, self._abstract(args, base.mesh), static)
                  for name, args, static in shapes]
@@ -436,7 +437,7 @@ class JaxEngine(EngineMemory, EngineWeights):
             self.ladders = Ladders(width=need, page_size=self.page_size, num_heads=self.cfg.num_attention_heads,
                                    max_batched_tokens=self.max_num_batched_tokens,
                                    max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs,
-                                   max_rows=self.prefill_row_cap())
+                                   max_rows=self.prefill_row_cap(), copy_floor=MIN_COPY if self.cfg.is_hybrid else 0)
 
 
 def key_data(seed: int) -> np.ndarray:

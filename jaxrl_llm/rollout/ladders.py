@@ -16,7 +16,11 @@ later step:
   prompt and the tokens it has) can be as long as `max_model_len`; taking what passes `fresh_top` in these
   chunks keeps it on programs built ahead (a fully async run's partial rollouts recompute theirs after every
   weight swap).
-* **Copy on write**: one program copying up to a shard's slot count of pages.
+* **Copies** (page copy on write, and a Qwen3.5's state forks: each sibling of a prompt copies the prompt's state
+  snapshot into its slot): one program of C pairs, C the slot cap's power of two, for a model with KV pages only (a
+  page pair is a few KB a layer). A model with state slots copies 24 MiB a pair at Qwen3.5-9B, and a round copies
+  about what it admitted, so there C comes from a ladder, powers of two from `copy_floor` up to that top, and a
+  round's call takes the narrowest that covers its pairs (a padded pair still moves the scratch slot's rows).
 
 Glossary: B rows a call, L chunk length, W table width (pages), ps page size, N q heads.
 """
@@ -30,6 +34,7 @@ from jaxrl_llm.rollout.scheduler import PrefillTask
 
 ATTN_BYTES = 512 << 20  # a prefill call's fp32 attention scores stay under this
 MIN_CHUNK = 16
+MIN_COPY = 16  # the narrowest copy program of a model with state slots (a refill round admits about S / 16 rows)
 
 
 def pow2(x: int) -> int:
@@ -71,6 +76,7 @@ class Ladders:
     max_prompt: int
     slot_cap: int
     max_rows: int = 0  # rows a prefill call takes at most (0: no cap; a Qwen3.5's rows carry their fp32 states)
+    copy_floor: int = 0  # the narrowest copy program (0: one width; a model with state slots: MIN_COPY)
 
     @property
     def max_fresh(self) -> int:
@@ -123,8 +129,20 @@ class Ladders:
         return slot_ladder(self.slot_cap)[-1]
 
     @property
-    def copy_slots(self) -> int:
-        return pow2(max(MIN_CHUNK, self.slot_cap))
+    def copy_widths(self) -> list[int]:
+        """The copy program's widths C (pairs a call takes): the slot cap's power of two alone, or powers of two from
+        `copy_floor` up to it. A round copies at most the slot cap's pairs (a page per live row, a state per row it
+        admits), so the top covers any round."""
+        top = pow2(max(MIN_CHUNK, self.slot_cap))
+        out, c = [], pow2(self.copy_floor) if self.copy_floor else top
+        while c < top:
+            out.append(c)
+            c *= 2
+        return [*out, top]
+
+    def copy_width(self, pairs: int) -> int:
+        """The narrowest copy width that takes `pairs` pairs (the top where none does: the caller splits)."""
+        return next((c for c in self.copy_widths if c >= pairs), self.copy_widths[-1])
 
     # ---- a plan's prefills -----------------------------------------------------------------------
     def chunks(self, task: PrefillTask) -> list[Chunk]:

@@ -79,6 +79,11 @@ def copy_pages(pool, src, dst, state_src=None, state_dst=None):
     """pool[:, dst] = pool[:, src] in every attention layer (copy on write), per shard, and the state slots
     state_dst = state_src in every linear layer (a prompt's snapshot into its siblings' slots).
 
+    Each linear layer's copy waits for the previous one's (an optimization barrier): else nothing orders them, and
+    every layer's gathered rows can be alive at once (24 x 1 GiB at Qwen3.5-9B's 1,024 pairs, out of memory on an
+    H100). XLA's GPU pipeline keeps the barrier through scheduling; its CPU pipeline drops it before (there the
+    layers' copies stay unordered).
+
     src, dst: [shards, C] int32 page ids local to each shard (unused pairs are (0, 0): the scratch page);
     state_src, state_dst: [C] int32 state slots (unused pairs (0, 0)).
     """
@@ -86,12 +91,19 @@ def copy_pages(pool, src, dst, state_src=None, state_dst=None):
         s, d = s[0], d[0]
         return k.at[:, d].set(k[:, s]), v.at[:, d].set(v[:, s])
 
-    def states(conv, rec):
+    def states(conv, rec, after):
+        if after is not None:
+            conv, rec, _ = jax.lax.optimization_barrier((conv, rec, after))
         return conv.at[state_dst].set(conv[state_src]), rec.at[state_dst].set(rec[state_src])
 
-    return [states(*entry) if is_state(entry)
-            else _per_shard(local, (*entry, src, dst), ("pool", "pool", "rows", "rows"), ("pool", "pool"))
-            for entry in pool]
+    out, after = [], None
+    for entry in pool:
+        if is_state(entry):
+            entry = after = states(*entry, after)
+        else:
+            entry = _per_shard(local, (*entry, src, dst), ("pool", "pool", "rows", "rows"), ("pool", "pool"))
+        out.append(entry)
+    return out
 
 
 def _per_shard(fn, args, kinds, out_kinds):

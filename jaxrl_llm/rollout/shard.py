@@ -169,12 +169,18 @@ class Shard:
                 record_routes(c.task.row, c.start, routes[i, : c.end - c.start])
 
     def _copy(self, copies: tuple[np.ndarray, np.ndarray], state_copies: tuple[np.ndarray, np.ndarray]) -> None:
-        c = self.engine.ladders.copy_slots
-        packed = np.zeros((4, c), np.int32)  # unused pairs copy the scratch page (and slot) onto itself
-        packed[0, : len(copies[0])], packed[1, : len(copies[1])] = copies
-        packed[2, : len(state_copies[0])], packed[3, : len(state_copies[1])] = state_copies
-        prog = self.engine._shard_program(self, "_copy", (self.pool, packed), {})
-        self.pool = prog(self.pool, self.put(packed))
+        """The round's page and state copies, in one call of the narrowest copy width that takes them (rollout/
+        ladders.py; calls of the top width where they pass it, which no round of the scheduler's does)."""
+        lad = self.engine.ladders
+        top = lad.copy_widths[-1]
+        for a in range(0, max(len(copies[0]), len(state_copies[0])), top):
+            pages, states = [x[a: a + top] for x in copies], [x[a: a + top] for x in state_copies]
+            c = lad.copy_width(max(len(pages[0]), len(states[0])))
+            packed = np.zeros((4, c), np.int32)  # unused pairs copy the scratch page (and slot) onto itself
+            packed[0, : len(pages[0])], packed[1, : len(pages[1])] = pages
+            packed[2, : len(states[0])], packed[3, : len(states[1])] = states
+            prog = self.engine._shard_program(self, "_copy", (self.pool, packed), {})
+            self.pool = prog(self.pool, self.put(packed))
 
     def _segment(self, plan: Plan, sched: Scheduler, spec, st: dict) -> list:
         """One decode segment. On GPUs the call returns when the segment is done (XLA runs the data-dependent

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxrl_llm.models import load_hf, split_model
+from jaxrl_llm.models import DecoderConfig, init_params, load_hf, split_model
 from jaxrl_llm.rollout import JaxEngine, RolloutError, SamplingParams, jax_engine
 from jaxrl_llm.trainer.config import RolloutConfig
 from tests.hf_models import make_qwen35_model
@@ -96,6 +96,40 @@ def test_state_slots_come_out_of_the_budget_and_bound_the_rows(hf_and_model):
     assert stats["slot_cap"] < 24 and stats["state_slots"] == stats["slot_cap"] + max(1, stats["slot_cap"] // 4) + 1
     assert stats["kv_bytes"] + stats["state_slots"] * probe.state_bytes() <= budget
     assert len(out) == 24 and all(out.lengths == 8)
+
+
+def test_state_forks_take_the_narrowest_copy_width_and_every_width_is_built_ahead():
+    """A prompt's siblings copy its state snapshot (24 MiB a pair at Qwen3.5-9B) in a copy program whose width is
+    the narrowest of a ladder that covers the round's pairs, not the slot cap's power of two whatever the round
+    copies (1,024 pairs at the 9B's default: 48 GiB moved a call); every width is built ahead with the other
+    programs, so a later round's wider call compiles nothing."""
+    cfg = DecoderConfig.tiny_qwen35(dtype="float32")
+    eng = JaxEngine(cfg, init_params(cfg, seed=0), dtype="float32", page_size=4, max_num_seqs=64,
+                    max_prompt_length=16, max_model_len=32, warm_programs=True)
+    eng.generate([[5, 6, 7, 8]] * 48, SamplingParams(temperature=0.0, max_new_tokens=4))  # builds: no forks (n=1)
+    assert eng.last_stats["state_copies"] == 0 and eng.last_stats["programs_compiled"] > 0
+    assert eng.ladders.copy_widths == [16, 32, 64]
+    copies = lambda: sorted(key[1][1] for key in eng._base.programs if key[0] == "_copy")
+    widths = []
+    for prompts, n in ((PROMPTS[:2], 3), ([[5, 6, 7, 8]] * 12, 4)):  # 4 forks in one round, then 36
+        eng.generate(prompts, SamplingParams(n=n, temperature=0.0, max_new_tokens=4))
+        assert eng.last_stats["state_copies"] == len(prompts) * (n - 1)
+        assert eng.last_stats["programs_compiled"] == 0  # built ahead by the first call
+        widths.append(copies())
+    assert widths == [[16], [16, 64]]  # without the ladder: [64] for both
+
+
+def test_each_linear_layers_state_copy_waits_for_the_previous_layers():
+    """Nothing else orders the linear layers' copies, so all their gathered rows could be alive at once (24 x 1 GiB
+    at the 9B's widest call). XLA's CPU pipeline drops optimization barriers before scheduling, so the memory this
+    saves shows only on a GPU (benchmarks/diag/copy_memory.py); here: the copy program chains the layers."""
+    cfg = DecoderConfig.tiny_qwen35(dtype="float32")
+    eng = JaxEngine(cfg, None, dtype="float32", page_size=4, max_num_seqs=8, max_model_len=32)
+    spec, base = eng._spec(SamplingParams(), eng.decode_attention), eng._base  # the copy takes no weights
+    args = eng._abstract((eng.abstract_pool(spec, 64, 11, base), np.zeros((4, 16), np.int32)), base.mesh)
+    with jax.set_mesh(base.mesh):
+        text = JaxEngine._copy.lower(eng, *args).as_text()
+    assert len(spec.linear_layers) > 1 and text.count("stablehlo.optimization_barrier") == len(spec.linear_layers) - 1
 
 
 def test_the_dense_engine_refuses_a_linear_attention_model(hf_and_model):

@@ -14,7 +14,7 @@ from jaxrl_llm import compile_watch, sharding
 from jaxrl_llm.rollout import JaxEngine, SamplingParams
 from jaxrl_llm.rollout import shard as shard_mod
 from jaxrl_llm.rollout.dealer import Dealer, deal
-from jaxrl_llm.rollout.ladders import ATTN_BYTES, Ladders
+from jaxrl_llm.rollout.ladders import ATTN_BYTES, MIN_COPY, Ladders
 from jaxrl_llm.rollout.programs import _load_on
 from jaxrl_llm.rollout.rows import Row, RowStore
 from jaxrl_llm.rollout.scheduler import PrefillTask
@@ -90,6 +90,17 @@ def test_ladders_are_fixed_by_config_and_cover_every_prefill():
     assert all(a[1] == b[0] for a, b in zip(covered[0], covered[0][1:])) and covered[0][-1][1] == 2999
     first_resumed = min(i for i, call in enumerate(calls) if call[0].task.row.rid == 2)
     assert all(c.task.row.ntok == 0 for call in calls[:first_resumed] for c in call)  # fresh rows first
+
+
+def test_copy_widths_are_one_for_pages_only_and_a_ladder_with_state_slots():
+    """A page pair is a few KB a layer: one copy program, the slot cap's power of two. A state pair is 24 MiB at
+    Qwen3.5-9B: powers of two from the floor, and a round takes the narrowest that covers its pairs."""
+    kw = dict(width=64, page_size=16, num_heads=28, max_batched_tokens=8192, max_prompt=300)
+    assert Ladders(**kw, slot_cap=565).copy_widths == [1024]
+    lad = Ladders(**kw, slot_cap=565, copy_floor=MIN_COPY)
+    assert lad.copy_widths == [16, 32, 64, 128, 256, 512, 1024]
+    assert [lad.copy_width(n) for n in (0, 1, 16, 17, 452, 565)] == [16, 16, 16, 32, 512, 1024]
+    assert Ladders(**kw, slot_cap=3, copy_floor=MIN_COPY).copy_widths == [16]
 
 
 def test_every_prefill_of_any_context_runs_on_a_program_built_ahead():
