@@ -1,4 +1,4 @@
-"""One decode step of the gated delta rule, in place in the engine's state slots (Qwen3.5's linear layers).
+"""One decode step of the gated delta rule, in the engine's state slots (Qwen3.5's linear layers).
 
 **Why.** A Qwen3.5-9B decode step carries 24 layers x 32 heads of a [128, 128] recurrent state a sequence: 25 MB
 a row in bf16, beside 18 GB of weights for the whole batch. XLA's gather of the rows' slots, the update and the
@@ -10,10 +10,19 @@ the token's output and the rows' new states: for row r, head h, with S = state[s
     S  = exp(g) S;   S += k (beta (v - S^T k))^T;   o = S^T q
 
 Each program reads its row's slot straight from the pool (no gathered copy), updates it in registers in fp32 and
-writes the row's new state [S, Hv, Dk, Dv]; the caller scatters those back into the slots (in place, in the
-decode loop). Aliasing the pool itself to the kernel's output would save that write, but in a while loop XLA
-copied the whole pool for it (24 GB a layer set at Qwen3.5-9B's state slots, out of memory on an H100). Rows
-with slot 0 (finished or padding rows) read the scratch slot; their outputs are garbage the caller discards.
+writes it out, in one of two forms (`in_place`):
+
+* False (the engine's default, `state_update='scatter'`): the rows' new states [S, Hv, Dk, Dv]; the caller
+  scatters them into the slots. Four passes over a row's state a step (read, write the row, read it, write the
+  slot).
+* True (`state_update='in_place'`): the pool is the kernel's input aliased to its output, and each program writes
+  its row's new state back into its slot: two passes. XLA must then give the kernel the pool's own buffer: in a
+  while loop it does so only where nothing else reads the pool after the kernel (the decode step updates each
+  layer's slots once and reads nothing of them after); an earlier form copied the whole pool there (24 GB at
+  Qwen3.5-9B's state slots, benchmarks/NOTES.md item 48), which is why this form waits for a GPU's verdict.
+
+Rows with slot 0 (finished or padding rows) read (and, in place, write) the scratch slot; their outputs are
+garbage the caller discards.
 
 Pallas with the Triton lowering on GPU; interpret mode elsewhere (tests). Grid (row, value head, Dv block): a
 program loads its row's slot from `slots` (the Triton backend has no scalar prefetch), the key head's q and k
@@ -38,8 +47,9 @@ def supported(dk: int, dv: int) -> bool:
     return pow2(dk) and pow2(dv)
 
 
-def gdn_decode_step_reference(state, slots, q, k, v, g, beta):
-    """The same step in jnp (gather, update). Args and returns as `gdn_decode_step`."""
+def gdn_decode_step_reference(state, slots, q, k, v, g, beta, *, in_place: bool = False):
+    """The same step in jnp (gather, update; in place: and the scatter into the slots). Args and returns as
+    `gdn_decode_step`."""
     rep = v.shape[1] // q.shape[1]
     s = state[slots].astype(jnp.float32)  # [S, Hv, Dk, Dv]
     qf, kf = (jnp.repeat(x.astype(jnp.float32), rep, axis=1) for x in (q, k))  # [S, Hv, Dk]
@@ -47,12 +57,14 @@ def gdn_decode_step_reference(state, slots, q, k, v, g, beta):
     kv = jnp.einsum("shkv,shk->shv", s, kf)
     s = s + jnp.einsum("shk,shv->shkv", kf, (v.astype(jnp.float32) - kv) * beta.astype(jnp.float32)[..., None])
     o = jnp.einsum("shkv,shk->shv", s, qf)
-    return o, s.astype(state.dtype)
+    rows = s.astype(state.dtype)
+    return o, (state.at[slots].set(rows) if in_place else rows)
 
 
-def _kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, rows_ref, *, rep, block_v):
+def _kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_ref, *, rep, block_v, in_place):
     """One (row, value head, Dv block). slots_ref [S]; q_ref, k_ref [S, Hk, Dk]; v_ref, o_ref [S, Hv, Dv]; g_ref,
-    beta_ref [S, Hv]; state_ref [Ns, Hv, Dk, Dv]; rows_ref [S, Hv, Dk, Dv]."""
+    beta_ref [S, Hv]; state_ref [Ns, Hv, Dk, Dv]; new_ref: the rows' new states [S, Hv, Dk, Dv], or in place the
+    pool itself (aliased to state_ref, whose buffer it is: read and written through new_ref)."""
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[r]
     kh = h // rep
@@ -62,48 +74,52 @@ def _kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, r
     v = pltriton.load(v_ref.at[r, h, cols]).astype(jnp.float32)  # [bv]
     decay = jnp.exp(g_ref[r, h].astype(jnp.float32))
     beta = beta_ref[r, h].astype(jnp.float32)
-    s = pltriton.load(state_ref.at[slot, h, :, cols]).astype(jnp.float32) * decay  # [Dk, bv]
+    src = new_ref if in_place else state_ref
+    s = pltriton.load(src.at[slot, h, :, cols]).astype(jnp.float32) * decay  # [Dk, bv]
     kv = jnp.sum(s * k[:, None], axis=0)  # [bv]
     s = s + k[:, None] * ((v - kv) * beta)[None, :]
     o = jnp.sum(s * q[:, None], axis=0)
-    pltriton.store(rows_ref.at[r, h, :, cols], s.astype(rows_ref.dtype))
+    pltriton.store(new_ref.at[slot if in_place else r, h, :, cols], s.astype(new_ref.dtype))
     pltriton.store(o_ref.at[r, h, cols], o)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _step(state, slots, q, k, v, g, beta, *, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("interpret", "in_place"))
+def _step(state, slots, q, k, v, g, beta, *, interpret: bool, in_place: bool):
     rows, hv, dv = v.shape
     dk = q.shape[-1]
     block_v = min(dv, max(16, 4096 // dk))  # a [Dk, bv] fp32 block of about 16 KB
-    kernel = functools.partial(_kernel, rep=hv // q.shape[1], block_v=block_v)
+    kernel = functools.partial(_kernel, rep=hv // q.shape[1], block_v=block_v, in_place=in_place)
     full = lambda x: pl.BlockSpec(block_shape=x.shape, index_map=lambda *_: (0,) * x.ndim)
     args = (slots.astype(jnp.int32), q, k, v, g, beta, state)
-    new = jax.ShapeDtypeStruct((rows, hv, dk, dv), state.dtype)
+    new = jax.ShapeDtypeStruct(state.shape if in_place else (rows, hv, dk, dv), state.dtype)
     return pl.pallas_call(
         kernel,
         grid=(rows, hv, dv // block_v),
         in_specs=[full(x) for x in args],
         out_specs=[full(v), full(new)],
         out_shape=[jax.ShapeDtypeStruct((rows, hv, dv), jnp.float32), new],
+        input_output_aliases={6: 1} if in_place else {},
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name="gdn_decode_step",
+        name="gdn_decode_step_in_place" if in_place else "gdn_decode_step",
     )(*args)
 
 
-def gdn_decode_step(state, slots, q, k, v, g, beta, *, impl: str = "auto"):
+def gdn_decode_step(state, slots, q, k, v, g, beta, *, impl: str = "auto", in_place: bool = False):
     """One decode step of the gated delta rule for each row, in its state slot.
 
     Args:
-      state: [Ns, Hv, Dk, Dv] the state slots (fp32 or bf16), read, not written.
-      slots: [S] int32 each row's slot (0: the scratch slot).
+      state: [Ns, Hv, Dk, Dv] the state slots (fp32 or bf16): read, and with `in_place` written (its buffer, where
+        the caller gives it up, as a decode program carrying it does; else XLA copies it first).
+      slots: [S] int32 each row's slot (0: the scratch slot; live rows' slots distinct).
       q, k: [S, Hk, Dk] (L2-normalised; q scaled by Dk^-0.5); v: [S, Hv, Dv]; g, beta: [S, Hv] (log decay and
         write strength).
       impl: 'pallas' (the kernel; interpreted off the GPU), 'xla' (`gdn_decode_step_reference`), or 'auto': the
         kernel on a GPU where `supported(Dk, Dv)`.
+      in_place: write the new states into their slots (see the module docstring).
     Returns:
       o [S, Hv, Dv] fp32, and the rows' new states [S, Hv, Dk, Dv] in the slots' dtype (for
-      `state.at[slots].set(...)`).
+      `state.at[slots].set(...)`), or with `in_place` the state slots [Ns, Hv, Dk, Dv] holding them.
     """
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"gdn_decode_step impl={impl!r}: use 'auto', 'pallas' or 'xla'")
@@ -111,5 +127,5 @@ def gdn_decode_step(state, slots, q, k, v, g, beta, *, impl: str = "auto"):
     if impl == "auto":
         impl = "pallas" if on_gpu and supported(q.shape[-1], v.shape[-1]) else "xla"
     if impl == "xla":
-        return gdn_decode_step_reference(state, slots, q, k, v, g, beta)
-    return _step(state, slots, q, k, v, g, beta, interpret=not on_gpu)
+        return gdn_decode_step_reference(state, slots, q, k, v, g, beta, in_place=in_place)
+    return _step(state, slots, q, k, v, g, beta, interpret=not on_gpu, in_place=in_place)

@@ -45,6 +45,7 @@ class EngineWeights:
     # The paged engine's option (Qwen3.5's recurrent state in its state slots); the dense engine serves no
     # linear-attention model.
     linear_state_dtype = "float32"
+    state_update = "scatter"
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
                  max_prompt_length: int = 1024):
@@ -198,7 +199,7 @@ class EngineWeights:
                     linear_key_heads=c.linear_num_key_heads, linear_value_heads=c.linear_num_value_heads,
                     linear_key_dim=c.linear_key_head_dim, linear_value_dim=c.linear_value_head_dim,
                     conv_kernel=c.linear_conv_kernel_dim,
-                    state_dtype=self.linear_state_dtype)
+                    state_dtype=self.linear_state_dtype, state_update=self.state_update)
 
     def _request_spec(self, prompts, sampling: SamplingParams, row_max=None) -> decode.DecodeSpec:
         """Checks a request before any work (one clear error per problem); returns its decode spec.

@@ -93,6 +93,9 @@ class JaxEngine(EngineMemory, EngineWeights):
       linear_state_dtype: the dtype of a Qwen3.5 linear layer's recurrent state in the engine's state slots:
         "auto" (the engine's `dtype`), "float32" (as transformers keeps it) or "bfloat16" (half what a decode
         step reads and writes).
+      state_update: how a decode step writes a linear layer's new states: "scatter" (the kernel writes the rows'
+        states, XLA scatters them into their slots: 4 passes over each) or "in_place" (the kernel writes each
+        slot in the pool's own buffer: 2 passes; kernels/gdn_decode.py says why it waits for a GPU's verdict).
     """
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
@@ -100,7 +103,8 @@ class JaxEngine(EngineMemory, EngineWeights):
                  max_num_batched_tokens: int = 8192, page_size: int = 16, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, free_cache_engine: bool = True,
                  decode_attention: str = "auto", max_segment: int = 64, share_prompt_pages: bool = True,
-                 warm_programs: bool | str = "auto", linear_state_dtype: str = "auto", phase_timing: bool = False):
+                 warm_programs: bool | str = "auto", linear_state_dtype: str = "auto", phase_timing: bool = False,
+                 state_update: str = "scatter"):
         _check(page_size >= 1 and page_size & (page_size - 1) == 0, "rollout.page_size",
                f"{page_size}: use a power of two (16 is vLLM's default)")
         _check(max_num_seqs >= 1, "rollout.max_num_seqs", f"{max_num_seqs}: need >= 1")
@@ -113,7 +117,10 @@ class JaxEngine(EngineMemory, EngineWeights):
                f"{max_model_len}: need prompt + response tokens (>= 2), or None")
         _check(linear_state_dtype in ("auto", "float32", "bfloat16"), "rollout.linear_state_dtype",
                f"{linear_state_dtype!r}: use 'auto', 'float32' or 'bfloat16'")
+        _check(state_update in ("scatter", "in_place"), "rollout.state_update", f"{state_update!r}: use 'scatter' or "
+               "'in_place'")
         self.linear_state_dtype = dtype if linear_state_dtype == "auto" else linear_state_dtype
+        self.state_update = state_update
         from kernels.paged_attention import paged_attention_supported
 
         self.decode_attention = resolve_decode_attention(
@@ -212,7 +219,8 @@ class JaxEngine(EngineMemory, EngineWeights):
 
     def _fingerprint(self) -> str:
         base = (dict(self._base.mesh.shape), [d.id for d in self._base.devices])
-        return repr((type(self).__name__, self.cfg, self.page_size, self.max_segment, self.decode_attention, base))
+        return repr((type(self).__name__, self.cfg, self.page_size, self.max_segment, self.decode_attention, base,
+                     paged_decode.GDN_DECODE_IMPL))
 
     def _abstract(self, args, mesh: Mesh):
         """`args` as ShapeDtypeStructs on `mesh` (device arrays keep their partition spec, written out to one entry
@@ -480,4 +488,4 @@ def make_jax_engine(cfg: Qwen2Config, params, mesh: Mesh | None, *, rollout, max
                      gpu_memory_utilization=rollout.gpu_memory_utilization,
                      kv_cache_memory_bytes=rollout.kv_cache_memory_bytes, free_cache_engine=rollout.free_cache_engine,
                      decode_attention=rollout.decode_attention,
-                     linear_state_dtype=rollout.linear_state_dtype)
+                     linear_state_dtype=rollout.linear_state_dtype, state_update=rollout.state_update)

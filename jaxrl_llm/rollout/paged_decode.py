@@ -14,7 +14,11 @@ window [Ns, K-1, E] and the recurrent state [Ns, Hv, Dk, Dv] of Ns sequences. A 
 host's scheduler hands them out beside pages); a prefill chunk starts from its row's slot (zeros at position
 0), runs the chunked gated delta rule over its tokens and writes the state after its last real token back, and
 to a prompt's snapshot slot when it is the prompt's first sample (its siblings copy that at the fork, with
-the copy program); a decode step reads, advances and writes each live row's slot.
+the copy program); a decode step reads, advances and writes each live row's slot: the kernel writes the rows' new
+states and XLA scatters them into the slots (`state_update='scatter'`, the default), or the kernel writes each
+slot in the pool's buffer, aliased to its output (`'in_place'`: 2 passes over a state, not 4;
+kernels/gdn_decode.py). Either way each layer's slots are updated once a step and nothing reads them after, so XLA
+can update the donated pool where it lies.
 
 Glossary: S decode slots, B prefill rows, L prefill chunk length, W table width (pages), P pages,
 ps page size, K kv heads, N q heads, G = N // K, H head dim, D model, V vocab; Ns state slots, E conv channels,
@@ -23,6 +27,7 @@ Hv value heads, Dk/Dv key/value head dims.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -47,6 +52,9 @@ from jaxrl_llm.rollout.sampling import sample_next, token_logprobs
 # [K, P, ps, H]: kv heads over "tensor", pages over the data-parallel axes (each shard owns a page range;
 # page ids in tables are local to the shard, and the pool ops below run per shard)
 POOL_AXES = ("act_kv_heads", "batch", None, None)
+# kernels/gdn_decode.py's `impl` for the decode step of the linear layers: "auto" (the Pallas kernel on a GPU, the
+# jnp form elsewhere); tests set "pallas" to run the kernel in Pallas' interpreter on the CPU.
+GDN_DECODE_IMPL = "auto"
 
 
 def state_shapes(spec: DecodeSpec, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -222,16 +230,18 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, slot=None,
     return new, (stack_routing(experts) if spec.record_routing else None)
 
 
-def _decode_step(rec, slot, q, k, v, g, beta):
-    """kernels/gdn_decode.py's step of the rows' recurrent states, read from their slots: (outputs, new states);
-    on a shard of several devices (the states are whole on each) every device runs it on its own copy."""
+def _decode_step(rec, slot, q, k, v, g, beta, *, in_place: bool = False):
+    """kernels/gdn_decode.py's step of the rows' recurrent states, read from their slots: (outputs, new states), or
+    in place (outputs, the slots); on a shard of several devices (the states are whole on each) every device runs
+    it on its own copy."""
     from kernels.gdn_decode import gdn_decode_step  # the repo's kernels/
 
+    step = functools.partial(gdn_decode_step, impl=GDN_DECODE_IMPL, in_place=in_place)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
-        return gdn_decode_step(rec, slot, q, k, v, g, beta)
+        return step(rec, slot, q, k, v, g, beta)
     whole = Pspec()
-    return jax.shard_map(gdn_decode_step, mesh=mesh, in_specs=(whole,) * 7, out_specs=(whole, whole),
+    return jax.shard_map(step, mesh=mesh, in_specs=(whole,) * 7, out_specs=(whole, whole),
                          check_vma=False)(rec, slot, q, k, v, g, beta)
 
 
@@ -303,11 +313,12 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
                 slot = jnp.where(act, slots, 0)  # a finished row's step writes the scratch slot
                 mixed, conv1 = causal_conv1d(mixed, conv_w, initial=conv[slot].astype(mixed.dtype))
                 q, k, v = split_mixed(mixed, spec)  # [S, 1, heads, dim]
-                o, rows = _decode_step(rec, slot, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+                in_place = spec.state_update == "in_place"  # the kernel writes the slots (else the rows' states)
+                o, rows = _decode_step(rec, slot, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], in_place=in_place)
                 # The layer's output waits for its slots' update: else XLA may schedule every layer's scatter
                 # at the end of the step, each layer's new rows alive until then (24 GB at Qwen3.5-9B).
                 o, conv, rec = jax.lax.optimization_barrier(
-                    (o, conv.at[slot].set(conv1.astype(conv.dtype)), rec.at[slot].set(rows)))
+                    (o, conv.at[slot].set(conv1.astype(conv.dtype)), rows if in_place else rec.at[slot].set(rows)))
                 return o[:, None], (conv, rec)
 
             x, kv, ex = _layer(lp, x, cos, sin, attend, spec, recur)

@@ -1,5 +1,6 @@
-"""The in-place decode step of the gated delta rule (kernels/gdn_decode.py) against the jnp reference and the
-recurrent form of models/gated_delta.py, in Pallas' interpreter."""
+"""The decode step of the gated delta rule (kernels/gdn_decode.py), writing the rows' new states or (in place)
+their slots, against the jnp reference and the recurrent form of models/gated_delta.py, in Pallas' interpreter
+and (gpu) compiled by Triton."""
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,21 @@ def test_kernel_equals_the_reference(dtype, tol):
     np.testing.assert_allclose(np.asarray(rows, np.float32), np.asarray(ref_rows, np.float32), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_in_place_kernel_writes_each_rows_slot_and_leaves_the_others(dtype, tol):
+    state, slots, q, k, v, g, beta = _inputs(dtype=dtype)
+    ref_o, ref_rows = gdn_decode_step_reference(state, slots, q, k, v, g, beta)
+    o, pool = gdn_decode_step(state, slots, q, k, v, g, beta, impl="pallas", in_place=True)
+    xo, xpool = gdn_decode_step(state, slots, q, k, v, g, beta, impl="xla", in_place=True)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(ref_o), rtol=tol, atol=tol)
+    np.testing.assert_array_equal(np.asarray(xo), np.asarray(ref_o))
+    for got in (pool, xpool):
+        got = np.asarray(got, np.float32)
+        np.testing.assert_allclose(got[np.asarray(slots)], np.asarray(ref_rows, np.float32), rtol=tol, atol=tol)
+        others = np.setdiff1d(np.arange(state.shape[0]), np.asarray(slots))
+        np.testing.assert_array_equal(got[others], np.asarray(state, np.float32)[others])
+
+
 def test_the_reference_is_one_step_of_the_recurrent_form():
     state, slots, q, k, v, g, beta = _inputs()
     o, rows = gdn_decode_step_reference(state, slots, q, k, v, g, beta)
@@ -51,3 +67,21 @@ def test_compiled_kernel_at_qwen35_9b_shapes(dtype, tol):
     rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
                              / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
     assert rel(o, ref_o) < tol and rel(rows, ref_rows) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)])
+def test_compiled_in_place_kernel_at_qwen35_9b_shapes(dtype, tol):
+    """The in-place form compiled by Triton at the 9B's shapes, the pool donated (its buffer aliased): each row's
+    slot holds the reference's new state, the other slots are untouched."""
+    state, slots, q, k, v, g, beta = _inputs(rows=256, slots=300, hk=16, hv=32, dk=128, dv=128, dtype=dtype)
+    before = np.asarray(state, np.float32)
+    ref_o, ref_rows = jax.jit(gdn_decode_step_reference)(state, slots, q, k, v, g, beta)
+    step = jax.jit(lambda *a: gdn_decode_step(*a, impl="pallas", in_place=True), donate_argnums=0)
+    o, pool = step(state, slots, q, k, v, g, beta)
+    rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
+                             / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
+    assert rel(o, ref_o) < tol and rel(pool[slots], ref_rows) < tol
+    others = np.setdiff1d(np.arange(300), np.asarray(slots))
+    np.testing.assert_array_equal(np.asarray(pool, np.float32)[others], before[others])

@@ -397,6 +397,7 @@ def test_device_memory_share_too_small_is_refused_before_any_work(model, monkeyp
     (dict(gpu_memory_utilization=0.0), "rollout.gpu_memory_utilization"),
     (dict(kv_cache_memory_bytes=0), "rollout.kv_cache_memory_bytes"),
     (dict(max_num_seqs=0), "rollout.max_num_seqs"), (dict(max_num_batched_tokens=8), "rollout.max_num_batched_tokens"),
+    (dict(state_update="inplace"), "rollout.state_update"),
 ])
 def test_bad_engine_values_name_their_key(model, kwargs, key):
     cfg, _ = model
@@ -407,7 +408,7 @@ def test_bad_engine_values_name_their_key(model, kwargs, key):
 @pytest.mark.parametrize("kwargs,key", [
     (dict(kv_cache="bogus"), "rollout.kv_cache"), (dict(gpu_memory_utilization=1.5), "rollout.gpu_memory_utilization"),
     (dict(gpu_memory_utilization=0.0), "rollout.gpu_memory_utilization"), (dict(page_size=3), "rollout.page_size"),
-    (dict(kv_cache_memory_bytes=0), "rollout.kv_cache_memory_bytes"),
+    (dict(kv_cache_memory_bytes=0), "rollout.kv_cache_memory_bytes"), (dict(state_update="x"), "rollout.state_update"),
 ])
 def test_bad_rollout_config_names_its_key(kwargs, key):
     RolloutConfig().validate()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jaxrl_llm.models import DecoderConfig, init_params, load_hf, split_model
-from jaxrl_llm.rollout import JaxEngine, RolloutError, SamplingParams, jax_engine
+from jaxrl_llm.rollout import JaxEngine, RolloutError, SamplingParams, jax_engine, paged_decode
 from jaxrl_llm.trainer.config import RolloutConfig
 from tests.hf_models import make_qwen35_model
 
@@ -130,6 +130,35 @@ def test_each_linear_layers_state_copy_waits_for_the_previous_layers():
     with jax.set_mesh(base.mesh):
         text = JaxEngine._copy.lower(eng, *args).as_text()
     assert len(spec.linear_layers) > 1 and text.count("stablehlo.optimization_barrier") == len(spec.linear_layers) - 1
+
+
+@pytest.mark.parametrize("impl", ["auto", "pallas"])
+def test_in_place_state_update_gives_the_scatters_tokens_and_copies_no_pool(impl, monkeypatch):
+    """state_update='in_place': the decode kernel writes each row's new state into its slot (2 passes over a state
+    a step, not 4). The tokens and log-probs are the scatter's, and the compiled decode programs hold no copy of a
+    layer's state pool (XLA copies an aliased buffer that is read after the kernel). On the CPU: the jnp form
+    ('auto') and the Pallas kernel in its interpreter; an earlier in-place form passed this check on the CPU too
+    and still made XLA copy the pool on an H100 (benchmarks/NOTES.md item 48), so the GPU has the last word."""
+    monkeypatch.setattr(paged_decode, "GDN_DECODE_IMPL", impl)
+    cfg = DecoderConfig.tiny_qwen35(dtype="float32")
+    params = init_params(cfg, seed=0)
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3)
+    outs, copies = [], []
+    for mode in ("scatter", "in_place"):
+        eng = JaxEngine(cfg, params, dtype="float32", page_size=4, max_num_seqs=8, max_model_len=32,
+                        state_update=mode)
+        outs.append(eng.generate(PROMPTS, sp))
+        pool = eng.abstract_pool(eng._spec(sp, eng.decode_attention), eng._base.num_pages, eng._base.state_slots,
+                                 eng._base)
+        rec = next(entry[1] for entry in pool if entry[0].ndim == 3)  # a linear layer's [Ns, Hv, Dk, Dv]
+        shape = f"f32[{','.join(map(str, rec.shape))}]{{"
+        texts = [p.as_text() for (name, _, _), p in eng._base.programs.items() if name == "_decode"]
+        assert texts
+        copies.append(sum(line.split("= ", 1)[-1].startswith(shape) and " copy(" in line
+                          for text in texts for line in text.splitlines()))
+    np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
+    np.testing.assert_allclose(outs[1].logprobs, outs[0].logprobs, rtol=1e-6, atol=1e-6)
+    assert copies == [0, 0]
 
 
 def test_the_dense_engine_refuses_a_linear_attention_model(hf_and_model):

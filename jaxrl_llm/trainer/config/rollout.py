@@ -46,6 +46,10 @@ class RolloutConfig:
     # engine's dtype, as vLLM's mamba_ssm_cache_dtype 'auto'), "float32" (as transformers keeps it; twice what
     # each decode step reads and writes in bf16) or "bfloat16"
     linear_state_dtype: str = "auto"
+    # paged, Qwen3.5: how a decode step writes the new recurrent states: "scatter" (the rows' states, then XLA's
+    # scatter into their slots) or "in_place" (the decode kernel writes each slot in the pool's buffer; half the
+    # state traffic, kept off by default until a GPU shows XLA does not copy the pool for it)
+    state_update: str = "scatter"
     val_temperature: float = 0.0  # validation is greedy (mean@1) unless val_n > 1
     val_n: int = 1  # responses a validation prompt (veRL's val_kwargs.n): mean@N, best@N, pass@k
     val_top_p: float = 1.0  # validation's top_p (veRL's val_kwargs.top_p)
@@ -96,6 +100,8 @@ class RolloutConfig:
                f"{self.decode_attention!r}; use 'auto', 'xla' or 'pallas'")
         _check(self.linear_state_dtype in ("auto", "float32", "bfloat16"), "rollout.linear_state_dtype",
                f"{self.linear_state_dtype!r}; use 'auto', 'float32' or 'bfloat16'")
+        _check(self.state_update in ("scatter", "in_place"), "rollout.state_update",
+               f"{self.state_update!r}; use 'scatter' or 'in_place'")
         _check(isinstance(self.n, int) and self.n >= 1, "rollout.n", f"n={self.n}; need n >= 1")
         _check(0.0 < self.top_p <= 1.0, "rollout.top_p", f"{self.top_p} is not in (0, 1]")
         _check(self.temperature > 0.0, "rollout.temperature", "training rollouts need temperature > 0")
