@@ -8,6 +8,16 @@
 #   e2e       the GRPO step at the seed's share with LoRA r32, Qwen3.5-9B then Qwen2.5-7B (PRESETS overrides)
 #   moe       the LoRA step of Qwen3.5-35B-A3B and Qwen3-30B-A3B at 128 prompts x 5 (an H200)
 #   gdn       the chunked kernel's tokens/s against the attention layers' (bench section gated_delta)
+#   profile9b (not in the defaults; one call of under 10 minutes on one H100, PROFILE_S = 560 s in all) the copy
+#             program's compiled memory at the 9B's widest copies (benchmarks/diag/copy_memory.py: as built, each
+#             linear layer's copy chained, against unchained); the 9B's generation at 256 rows with a kernel
+#             profile (state_update scatter, one measured repeat); the same with state_update in_place and at the
+#             default max_num_seqs (repeat 0 only: its seconds less phase_s.prepare are the warm figure's
+#             estimate; gen_programs rows give each program's XLA memory: in place, whether XLA copied the pool).
+#             Each run's timeout is what is left of the call less what the runs after it keep, so the last may be
+#             cut: `run` copies the rows written so far.
+#   seqs9b    (not in the defaults) the 9B's generation at the default max_num_seqs, one measured repeat, with
+#             state_update scatter then in_place (what profile9b's last run may not have had the time for)
 source "$(dirname "$0")/common.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 CACHE=/tmp/issue43_xla_cache
@@ -35,6 +45,21 @@ for phase in ${PHASES:-kernels gen}; do
       done ;;
     gdn)
       run gated_delta "${T_GDN:-200}" python3 -m jaxrl_llm.bench --sections gated_delta --compile_cache "$CACHE" ;;
+    profile9b)
+      t0=$SECONDS
+      left() { local s=$(( ${PROFILE_S:-560} - (SECONDS - t0) - $1 )); echo $(( s > 30 ? s : 30 )); }
+      echo "=== copy_memory"
+      timeout 60 python3 benchmarks/diag/copy_memory.py 1024,707,27100 256,321,51453 > "$OUT/copy_memory.log" 2>&1
+      echo "rc=$?"; grep -E "^copy" "$OUT/copy_memory.log" | cut -c1-200
+      gen9b=(python3 -m jaxrl_llm.bench --sections gen --presets qwen3_5_9b --engines paged --compile_cache "$CACHE")
+      run gen9b_seqs256_profile "$(left 260)" "${gen9b[@]}" --repeats 1 --max_num_seqs 256 --profile
+      run gen9b_seqs256_in_place "$(left 150)" "${gen9b[@]}" --repeats 0 --max_num_seqs 256 --state_update in_place
+      run gen9b_seqs_default "$(left 5)" "${gen9b[@]}" --repeats 0 ;;
+    seqs9b)
+      for mode in scatter in_place; do
+        run "gen9b_seqs_default_$mode" "${T_GEN:-280}" python3 -m jaxrl_llm.bench --sections gen --presets qwen3_5_9b \
+          --engines paged --repeats 1 --state_update "$mode" --compile_cache "$CACHE"
+      done ;;
   esac
 done
 # diag (not in the default phases): the decode program's memory at the 9B's shapes, compiled, with XLA's buffer dump

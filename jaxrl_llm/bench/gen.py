@@ -54,6 +54,8 @@ option("--profile", action="store_true", help="gen, long: after the repeats, one
        "the top kernels and where the device's time goes (rows gen_profile*)")
 option("--phase_timing", action="store_true", help="gen, long: each prefill and copy call waited for, so that "
        "phase_s gives each phase its own device time (adds syncs: off for the recorded figures; --profile turns it on)")
+option("--state_update", choices=("scatter", "in_place"), default="scatter",
+       help="gen, long: how the paged engine's decode writes a Qwen3.5's linear states (JaxEngine.state_update)")
 option("--gen_prompts", type=int, help="gen, long: prompts (x 5 responses) a GPU's share (default 128; long: 64)")
 option("--schedules", help="seed_gen: dense decode schedules (every<K>: drop finished rows every K steps)",
        default="every0,every64")
@@ -131,7 +133,8 @@ def generation(opts, section: str):
             for devices in str(opts.devices).split(","):
                 one(preset, engine, section, opts.repeats, opts.attention, opts.max_num_seqs, opts.log_compiles,
                     opts.out, devices=int(devices), shard_work=opts.shard_work, do_profile=bool(opts.profile),
-                    prompts=opts.gen_prompts, phase_timing=bool(opts.phase_timing or opts.profile))
+                    prompts=opts.gen_prompts, phase_timing=bool(opts.phase_timing or opts.profile),
+                    state_update=opts.state_update)
 
 
 def workload(prompts_all: list, rep: int, per_gpu: int, n: int, devices: int, shard_work: str, lengths) -> tuple:
@@ -147,7 +150,8 @@ def workload(prompts_all: list, rep: int, per_gpu: int, n: int, devices: int, sh
 
 def one(preset: str, engine: str, section: str, repeats: int, attention: str, max_num_seqs: int,
         log_compiles: bool = False, out_dir: str | None = None, devices: int = 1, shard_work: str = "drawn",
-        do_profile: bool = False, prompts: int | None = None, phase_timing: bool = False):
+        do_profile: bool = False, prompts: int | None = None, phase_timing: bool = False,
+        state_update: str = "scatter"):
     import logging
 
     from jaxrl_llm import sharding
@@ -182,7 +186,8 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
                              max_prompt_length=512, decode_attention=attention)
     else:
         eng = JaxEngine(cfg, params, mesh=mesh, dtype="bfloat16", max_prompt_length=512, decode_attention=attention,
-                        max_num_seqs=max_num_seqs, max_model_len=512 + max_new, phase_timing=phase_timing)
+                        max_num_seqs=max_num_seqs, max_model_len=512 + max_new, phase_timing=phase_timing,
+                        state_update=state_update)
     eng.trace = engine == "dense"  # the dense engine counts its row-steps in its phase trace
     params = None
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
@@ -211,7 +216,7 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
         if rep == 0:
             program_memory(eng, section)
         emit(section=section, preset=preset, engine=engine, devices=devices, shard_work=shard_work,
-             attention=eng.decode_attention, rep=rep,
+             attention=eng.decode_attention, rep=rep, state_update=getattr(eng, "state_update", None),
              seconds=round(dt, 3), compile_s=round(compiles.seconds, 3), tokens=int(lens.sum()),
              tokens_per_s=round(float(lens.sum() / dt), 1),
              row_steps_per_token=round(row_steps / lens.sum(), 3) if row_steps else None,
