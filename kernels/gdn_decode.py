@@ -12,14 +12,15 @@ the token's output and the rows' new states: for row r, head h, with S = state[s
 Each program reads its row's slot straight from the pool (no gathered copy), updates it in registers in fp32 and
 writes it out, in one of two forms (`in_place`):
 
-* False (the engine's default, `state_update='scatter'`): the rows' new states [S, Hv, Dk, Dv]; the caller
-  scatters them into the slots. Four passes over a row's state a step (read, write the row, read it, write the
+* False (`state_update='scatter'`): the rows' new states [S, Hv, Dk, Dv]; the caller scatters them into the
+  slots. Four passes over a row's state a step (read, write the row, read it, write the
   slot).
-* True (`state_update='in_place'`): the pool is the kernel's input aliased to its output, and each program writes
-  its row's new state back into its slot: two passes. XLA must then give the kernel the pool's own buffer: in a
-  while loop it does so only where nothing else reads the pool after the kernel (the decode step updates each
-  layer's slots once and reads nothing of them after); an earlier form copied the whole pool there (24 GB at
-  Qwen3.5-9B's state slots, benchmarks/NOTES.md item 48), which is why this form waits for a GPU's verdict.
+* True (`state_update='in_place'`, the engine's default): the pool is the kernel's input aliased to its output,
+  and each program writes its row's new state back into its slot: two passes. XLA must then give the kernel the
+  pool's own buffer: in a while loop it does so only where nothing else reads the pool after the kernel (the decode
+  step updates each layer's slots once and reads nothing of them after); an earlier form copied the whole pool
+  there (24 GB at Qwen3.5-9B's state slots, benchmarks/NOTES.md item 48). On an H100 this form took the 9B's generation at 256
+  rows from 34.8 s (scatter) to 16.6 s (NOTES item 51).
 
 Rows with slot 0 (finished or padding rows) read (and, in place, write) the scratch slot; their outputs are
 garbage the caller discards.

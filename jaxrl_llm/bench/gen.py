@@ -54,7 +54,7 @@ option("--profile", action="store_true", help="gen, long: after the repeats, one
        "the top kernels and where the device's time goes (rows gen_profile*)")
 option("--phase_timing", action="store_true", help="gen, long: each prefill and copy call waited for, so that "
        "phase_s gives each phase its own device time (adds syncs: off for the recorded figures; --profile turns it on)")
-option("--state_update", choices=("scatter", "in_place"), default="scatter",
+option("--state_update", choices=("scatter", "in_place"), default="in_place",
        help="gen, long: how the paged engine's decode writes a Qwen3.5's linear states (JaxEngine.state_update)")
 option("--gen_prompts", type=int, help="gen, long: prompts (x 5 responses) a GPU's share (default 128; long: 64)")
 option("--schedules", help="seed_gen: dense decode schedules (every<K>: drop finished rows every K steps)",
@@ -151,7 +151,7 @@ def workload(prompts_all: list, rep: int, per_gpu: int, n: int, devices: int, sh
 def one(preset: str, engine: str, section: str, repeats: int, attention: str, max_num_seqs: int,
         log_compiles: bool = False, out_dir: str | None = None, devices: int = 1, shard_work: str = "drawn",
         do_profile: bool = False, prompts: int | None = None, phase_timing: bool = False,
-        state_update: str = "scatter"):
+        state_update: str = "in_place"):
     import logging
 
     from jaxrl_llm import sharding

@@ -64,7 +64,7 @@ class DecodeSpec:
     linear_value_dim: int = 0
     conv_kernel: int = 0
     state_dtype: str = "float32"  # the recurrent state's dtype in the engine's state slots
-    state_update: str = "scatter"  # how a decode step writes it back: "scatter" or "in_place" (rollout/jax_engine.py)
+    state_update: str = "in_place"  # how a decode step writes it back: "in_place" or "scatter" (rollout/jax_engine.py)
     layer_slots: tuple[tuple[str, int], ...] = ()  # a MoE's (stack, index) of each layer: where its experts sit
 
     def inv_freq(self) -> jax.Array:

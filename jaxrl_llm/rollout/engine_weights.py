@@ -45,7 +45,7 @@ class EngineWeights:
     # The paged engine's option (Qwen3.5's recurrent state in its state slots); the dense engine serves no
     # linear-attention model.
     linear_state_dtype = "float32"
-    state_update = "scatter"
+    state_update = "in_place"
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
                  max_prompt_length: int = 1024):

@@ -93,9 +93,9 @@ class JaxEngine(EngineMemory, EngineWeights):
       linear_state_dtype: the dtype of a Qwen3.5 linear layer's recurrent state in the engine's state slots:
         "auto" (the engine's `dtype`), "float32" (as transformers keeps it) or "bfloat16" (half what a decode
         step reads and writes).
-      state_update: how a decode step writes a linear layer's new states: "scatter" (the kernel writes the rows'
-        states, XLA scatters them into their slots: 4 passes over each) or "in_place" (the kernel writes each
-        slot in the pool's own buffer: 2 passes; kernels/gdn_decode.py says why it waits for a GPU's verdict).
+      state_update: how a decode step writes a linear layer's new states: "in_place" (the kernel writes each slot
+        in the pool's own buffer: 2 passes over each; the 9B's generation at 256 rows took 16.6 s on an H100
+        against 34.8 s) or "scatter" (the kernel writes the rows' states, XLA scatters them into their slots: 4).
     """
 
     def __init__(self, cfg: Qwen2Config, params=None, *, mesh: Mesh | None = None, dtype: str = "bfloat16",
@@ -104,7 +104,7 @@ class JaxEngine(EngineMemory, EngineWeights):
                  kv_cache_memory_bytes: int | None = None, free_cache_engine: bool = True,
                  decode_attention: str = "auto", max_segment: int = 64, share_prompt_pages: bool = True,
                  warm_programs: bool | str = "auto", linear_state_dtype: str = "auto", phase_timing: bool = False,
-                 state_update: str = "scatter"):
+                 state_update: str = "in_place"):
         _check(page_size >= 1 and page_size & (page_size - 1) == 0, "rollout.page_size",
                f"{page_size}: use a power of two (16 is vLLM's default)")
         _check(max_num_seqs >= 1, "rollout.max_num_seqs", f"{max_num_seqs}: need >= 1")

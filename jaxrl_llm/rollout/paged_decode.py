@@ -15,8 +15,8 @@ host's scheduler hands them out beside pages); a prefill chunk starts from its r
 0), runs the chunked gated delta rule over its tokens and writes the state after its last real token back, and
 to a prompt's snapshot slot when it is the prompt's first sample (its siblings copy that at the fork, with
 the copy program); a decode step reads, advances and writes each live row's slot: the kernel writes the rows' new
-states and XLA scatters them into the slots (`state_update='scatter'`, the default), or the kernel writes each
-slot in the pool's buffer, aliased to its output (`'in_place'`: 2 passes over a state, not 4;
+states and XLA scatters them into the slots (`state_update='scatter'`), or the kernel writes each slot in the
+pool's buffer, aliased to its output (`'in_place'`, the default: 2 passes over a state, not 4;
 kernels/gdn_decode.py). Either way each layer's slots are updated once a step and nothing reads them after, so XLA
 can update the donated pool where it lies.
 

@@ -241,4 +241,8 @@ def test_compiled_kernels_in_fp32_match_the_jnp_form_closely_on_gpu():
     np.testing.assert_allclose(o, ref_o, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(s, ref_s, rtol=1e-4, atol=1e-4)
     for name, x, y in zip(("q", "k", "v", "g", "beta", "initial_state"), got, ref):
-        np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4 * float(jnp.max(jnp.abs(y))), err_msg=name)
+        # g's gradient is a reverse cumulative sum over the row of per-position terms larger than itself, so the two
+        # forms' summation orders differ in it by more than fp32 rounding of one product: on an H100, 1 of 1,600
+        # elements was 1.26e-3 off (1.9603 against 1.9628), the rest within 1e-3 (2026-11-27)
+        rtol = 2e-3 if name == "g" else 1e-3
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-4 * float(jnp.max(jnp.abs(y))), err_msg=name)
