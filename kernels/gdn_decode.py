@@ -19,8 +19,8 @@ writes it out, in one of two forms (`in_place`):
   and each program writes its row's new state back into its slot: two passes. XLA must then give the kernel the
   pool's own buffer: in a while loop it does so only where nothing else reads the pool after the kernel (the decode
   step updates each layer's slots once and reads nothing of them after); an earlier form copied the whole pool
-  there (24 GB at Qwen3.5-9B's state slots, benchmarks/NOTES.md item 48). On an H100 this form took the 9B's generation at 256
-  rows from 34.8 s (scatter) to 16.6 s (NOTES item 51).
+  there (24 GB at Qwen3.5-9B's state slots, benchmarks/NOTES.md item 48). On an H100 this form took the 9B's
+  generation at 256 rows from 34.8 s (scatter) to 16.6 s (NOTES item 51).
 
 Rows with slot 0 (finished or padding rows) read (and, in place, write) the scratch slot; their outputs are
 garbage the caller discards.
