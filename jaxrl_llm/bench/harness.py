@@ -272,7 +272,10 @@ def tree(repo: str = REPO) -> str | None:
         if os.path.exists(src):  # a copy of git's index: only the files that changed are hashed again
             shutil.copy(src, index)
         env = {**os.environ, "GIT_INDEX_FILE": index}
-        if subprocess.run(["git", "add", "-A"], cwd=repo, env=env, capture_output=True).returncode != 0:
+        # What a run writes into benchmarks/runs/ (the GPU check's report, after its first config) is its output,
+        # not its files: untracked there, it is left out (it made the 9B's check name no commit, 2026-11-27)
+        if subprocess.run(["git", "add", "-A", "--", ".", ":!benchmarks/runs"], cwd=repo, env=env,
+                          capture_output=True).returncode != 0:
             return None
         out = subprocess.run(["git", "write-tree"], cwd=repo, env=env, capture_output=True, text=True)
     return out.stdout.strip() or None

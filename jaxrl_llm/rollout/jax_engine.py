@@ -35,6 +35,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -258,11 +259,13 @@ class JaxEngine(EngineMemory, EngineWeights):
         shard.programs[memo] = moved
         return moved
 
-    def _warm(self, spec, rows: int, budget) -> int:
+    def _warm(self, spec, rows: int, budget, probe: bool = False) -> int:
         """Builds every program this call's shards can reach (decode over each slot bucket up to the rows a
         shard may hold, the prefill and copy ladders) in parallel threads, before the pools are allocated (so
         XLA's autotuning has the device's memory); then loads them onto the other shards. Returns the most bytes
-        one of them needs beside its inputs (XLA's temporaries and new outputs; 0 where nothing is built)."""
+        one of them needs beside its inputs (XLA's temporaries and new outputs; 0 where nothing is built). `probe`,
+        under a device share: first the widest program of each kind alone; one needing more than the workspace
+        returns its need with nothing else built, and `prepare` sizes the pool again (not all built twice)."""
         lad, base = self.ladders, self._base
         top = slot_width(min(lad.slot_cap, rows), lad.slot_cap)  # the widest segment a shard runs
         num_pages = budget.num_pages
@@ -284,6 +287,12 @@ class JaxEngine(EngineMemory, EngineWeights):
         programs = self._programs_for()
         items = [(name, getattr(type(self), name), self, self._abstract(args, base.mesh), static)
                  for name, args, static in shapes]
+        if probe and budget.source == "gpu_memory_utilization":  # the widest program of each kind first
+            widest = list({it[0]: it for it in sorted(items, key=lambda it: math.prod(it[3][-1].shape))}.values())
+            programs.warm(widest, context=lambda: jax.set_mesh(base.mesh))
+            need = max(beside_inputs(programs.get(*item)) for item in widest)
+            if need > budget.workspace:
+                return need
         programs.warm(items, context=lambda: jax.set_mesh(base.mesh))
         need = max(beside_inputs(programs.get(*item)) for item in items)  # held now: no build
         moves = [(shard, *shape) for shard in self.local_shards[1:] for shape in shapes]
@@ -339,13 +348,13 @@ class JaxEngine(EngineMemory, EngineWeights):
         """Before any work: the table width and the pools' size (refusing what cannot fit), the programs built,
         each local shard's pool allocated. Returns the pools' budget."""
         self._fix_width(longest)
-        for _ in range(3):
+        for attempt in range(3):
             with jax.set_mesh(self.mesh):
                 budget = self._pool_budget(longest)
             if budget.slot_cap and budget.slot_cap != self.ladders.slot_cap:  # state slots bound the rows at once
                 self.ladders = dataclasses.replace(self.ladders, slot_cap=budget.slot_cap)
             self._check_fits(budget, longest, prompt_len, max_new)
-            need = self._warm(spec, rows, budget)
+            need = self._warm(spec, rows, budget, probe=attempt < 2)  # the last try builds all, whatever it needs
             # A pool sized from the device's share leaves `workspace` for the programs' temporaries, estimated from
             # shapes; built, XLA's own figure is known. Where a program needs more, the pool is sized again
             # leaving that (and its programs built again), instead of that program running out of memory.

@@ -112,6 +112,10 @@ def test_the_files_that_ran_name_their_commit_whatever_the_copys_git_says(tmp_pa
     _git(repo, "add", "-A")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
     assert harness.tree(str(repo)) == _git(repo, "rev-parse", "HEAD^{tree}")
+    (repo / "benchmarks" / "runs").mkdir(parents=True)  # a run's own output, written while it runs: not its files
+    (repo / "benchmarks" / "runs" / "gpu_check_x.json").write_text("{}\n")
+    assert harness.tree(str(repo)) == _git(repo, "rev-parse", "HEAD^{tree}")
+    (repo / "benchmarks" / "runs" / "gpu_check_x.json").unlink()
     (repo / "b.py").write_text("y = 2\n")  # untracked: part of what runs, so part of the tree
     (repo / "a.py").write_text("x = 3\n")
     ran = harness.tree(str(repo))
