@@ -184,3 +184,11 @@ def test_a_package_that_gathers_its_modules_names_is_in_a_circle_with_a_module_t
     planted = import_graph(tmp_path, ("jaxrl_llm",))
     assert planted["jaxrl_llm.config.run"] == {"jaxrl_llm.config.check", "jaxrl_llm.replay"}  # its own package: loaded
     assert find_cycle(planted) == ["jaxrl_llm.config", "jaxrl_llm.config.run", "jaxrl_llm.replay", "jaxrl_llm.config"]
+
+
+def test_no_module_is_over_500_lines():
+    """Issue 42's bound: a module a reader can hold (the paged engine sits at it), so a growing one is split into
+    a wing of its own rather than creeping past it."""
+    long = {str(path.relative_to(REPO)): n for path, _ in module_files(REPO).values()
+            if (n := len(path.read_text().splitlines())) > 500}
+    assert len(module_files(REPO)) > 150 and long == {}, long
