@@ -5,7 +5,7 @@ long-tailed, DAPO-style workload, one mode after the other on the same devices a
                             [--async_modes sync,one_step_off,fully_async] [--long_cap 8192] [--steps 6]
   python -m jaxrl_llm.bench.async_rl A/rows.jsonl B/rows.jsonl   # the summary over modes run in several calls
   XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
-      python -m jaxrl_llm.bench --sections async_longtail --small     # the tiny preset on simulated CPU devices
+      python -m jaxrl_llm.bench --sections async_longtail --small     # the tiny preset on the demo's task, on CPU
 
 Each mode trains `--steps` GRPO steps of `--prompts_per_gpu` x the machine's devices prompts x 5 responses (the
 same share whatever the split, so samples a second compare), token-mean loss and DAPO's clip-higher (0.28).
@@ -129,6 +129,10 @@ def _run_config(opts, preset: str, mode: str, n_dev: int, rollout: int):
                    total_steps=opts.steps)
     run = dataclasses.replace(run, actor=dataclasses.replace(run.actor, loss_agg_mode="token-mean",
                                                              clip_ratio_high=0.28))
+    if opts.small:  # the CPU check on the demo's task and vocabulary (gin/grpo_tiny.gin): Qwen2's 151,936 ids made the
+        # tiny model's logits and their sampling the whole cost (16 rows of up to 64 tokens decoded in 25 s on 2 cores)
+        run = dataclasses.replace(run, model=dataclasses.replace(run.model, overrides={"vocab_size": 16}),
+                                  data=dataclasses.replace(run.data, source="arithmetic", train_files=()))
     if mode != "sync":
         fully = mode == "fully_async"
         run = dataclasses.replace(

@@ -20,12 +20,17 @@ FAST = ["train.progress_bar=False", "train.logger=('jsonl',)", "train.val_before
 TIME_KEYS = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
-def optimised_env(**extra: str) -> dict[str, str]:
-    """This process's environment with XLA's CPU backend at its default optimisation level, plus `extra`, for the
-    long learning runs. conftest compiles unoptimised, which pays where a program runs a few times (most tests);
-    a demo runs its step programs hundreds of times, and ran ~1.7x slower unoptimised (tests/trainer/test_demo.py:
-    199 s against 117 s). A run compared exactly with one of these must use it too."""
-    flags = re.sub(r"--xla_backend_optimization_level=\d+", "", os.environ.get("XLA_FLAGS", ""))
+def optimised_env(*, devices: int = 1, **extra: str) -> dict[str, str]:
+    """This process's environment with XLA's CPU backend at its default optimisation level and `devices` simulated
+    CPU devices, plus `extra`, for the long learning runs. conftest compiles unoptimised, which pays where a program
+    runs a few times (most tests); a demo runs its step programs hundreds of times, and ran ~1.7x slower unoptimised
+    (tests/trainer/test_demo.py: 199 s against 117 s). The synchronous demos' meshes take one device, as
+    a user's CPU run does; the 8 devices conftest simulates only slowed their steps (Qwen3.5 demo 0.38 -> 0.27 s a
+    step, GRPO 0.27 -> 0.22 s, agent demo 0.70 -> 0.62 s, with the same metrics bit for bit). A run compared exactly
+    with one of these must use it too."""
+    flags = re.sub(r"--xla_backend_optimization_level=\d+|--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    flags += f" --xla_force_host_platform_device_count={devices}"
     return {**os.environ, "XLA_FLAGS": " ".join(flags.split()), **extra}
 
 

@@ -7,16 +7,17 @@ from jaxrl_llm.data.arithmetic import build_tokenizer, chance_reward
 from tests.trainer import runs
 
 
-def _demo(gin_file: str, tmp_path, steps: int = 80, *params: str) -> tuple[float, list[dict], np.ndarray]:
-    """A shortened run of a demo recipe (with gin `params` on top): chance reward, metric rows, and the per-step
-    mean scores."""
+def _demo(gin_file: str, tmp_path, steps: int = 80, *params: str, devices: int = 1
+          ) -> tuple[float, list[dict], np.ndarray]:
+    """A shortened run of a demo recipe (with gin `params` on top) on `devices` simulated CPU devices: chance
+    reward, metric rows, and the per-step mean scores."""
     chance = chance_reward(build_tokenizer(), max_operand=4, max_new_tokens=3)
     out = runs.subprocess.run(
         [runs.sys.executable, "-m", "jaxrl_llm.train", f"--gin_file={gin_file}",
          f"--gin.train.total_training_steps={steps}", f"--gin.train.test_freq={steps}",
          "--gin.train.val_before_train=False", "--gin.train.progress_bar=False", f"--gin.train.run_dir='{tmp_path}'",
          *(f"--gin_param={p}" for p in params)],
-        cwd=runs.REPO, capture_output=True, text=True, timeout=600, env=runs.optimised_env())
+        cwd=runs.REPO, capture_output=True, text=True, timeout=600, env=runs.optimised_env(devices=devices))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = runs.metrics(tmp_path)
     scores = np.array([r["critic/score/mean"] for r in rows if "critic/score/mean" in r])
