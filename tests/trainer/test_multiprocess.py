@@ -189,13 +189,17 @@ def _zombie(pid: int) -> bool:
 
 
 def test_ray_driver_reports_a_dead_process(tmp_path, hf_dir):
-    # PPO as in test_two_processes_equal_one[ppo-ray]: its programs come from the compilation cache.
+    # PPO as in test_two_processes_equal_one[ppo-ray]. The kill lands once both processes have joined and process 0
+    # has begun building its trainer (it writes operative_config.gin then), rather than after the first step: the
+    # driver notices a dead actor the same way at any point of `fit`, and the first step cost ~30 s here, most of it
+    # process 1 compiling cold (jax writes its persistent cache from process 0 alone, and on CPU the cache key of
+    # each process differs).
     cmd = runs.cli(tmp_path, *_params("ppo", hf_dir), "train.driver='ray'", "train.num_processes=2",
                    "train.devices_per_process=4", "train.save_freq=1", steps=8)
     proc = subprocess.Popen(cmd, cwd=runs.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=ENV)
     try:
-        runs.wait_for_steps(tmp_path, 1, proc, timeout=300)
+        _wait_for_file(tmp_path / "operative_config.gin", proc, timeout=300)
         victims = [int(e) for e in os.listdir("/proc") if e.isdigit() and _cmdline(int(e)).startswith(
             "ray::TrainProcess")]
         assert len(victims) == 2, victims
@@ -206,6 +210,17 @@ def test_ray_driver_reports_a_dead_process(tmp_path, hf_dir):
             proc.kill()
     assert proc.returncode == 2
     assert "error: DistributedError: trainer process" in err and "died" in err, err[-3000:]
+
+
+def _wait_for_file(path, proc: subprocess.Popen, timeout: float) -> None:
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        if path.exists():
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"run exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{path} not written after {timeout}s")
 
 
 def _cmdline(pid: int) -> str:
