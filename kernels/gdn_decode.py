@@ -22,12 +22,15 @@ writes it out, in one of two forms (`in_place`):
   there (24 GB at Qwen3.5-9B's state slots, benchmarks/NOTES.md item 48). On an H100 this form took the 9B's
   generation at 256 rows from 34.8 s (scatter) to 16.6 s (NOTES item 51).
 
-Rows with slot 0 (finished or padding rows) read (and, in place, write) the scratch slot; their outputs are
-garbage the caller discards.
+Rows with slot 0 (finished or padding rows) sit in the scratch slot: their programs read and write nothing
+(`SKIP_DEAD`), and their outputs are garbage the caller discards.
 
 Pallas with the Triton lowering on GPU; interpret mode elsewhere (tests). Grid (row, value head, Dv block): a
 program loads its row's slot from `slots` (the Triton backend has no scalar prefetch), the key head's q and k
 (value head h reads key head h // (Hv / Hk)), its block of v, g and beta, and the [Dk, bv] block of the state.
+On an H100 at the 9B's heads a whole [128, 128] head a program (8 warps) moves 2.40 TB/s at 545 rows, against
+1.66 TB/s for the first form's [128, 32] blocks, whose 64-byte rows split the state's cache lines
+(benchmarks/NOTES.md item 53).
 
 Glossary: Ns state slots, S rows, Hk / Hv key / value heads, Dk / Dv their dims, bv the Dv block.
 """
@@ -35,6 +38,7 @@ Glossary: Ns state slots, S rows, Hk / Hv key / value heads, Dk / Dv their dims,
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -62,34 +66,54 @@ def gdn_decode_step_reference(state, slots, q, k, v, g, beta, *, in_place: bool 
     return o, (state.at[slots].set(rows) if in_place else rows)
 
 
-def _kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_ref, *, rep, block_v, in_place):
+def _kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_ref, *, rep, block_v, in_place,
+            skip_dead):
     """One (row, value head, Dv block). slots_ref [S]; q_ref, k_ref [S, Hk, Dk]; v_ref, o_ref [S, Hv, Dv]; g_ref,
     beta_ref [S, Hv]; state_ref [Ns, Hv, Dk, Dv]; new_ref: the rows' new states [S, Hv, Dk, Dv], or in place the
-    pool itself (aliased to state_ref, whose buffer it is: read and written through new_ref)."""
+    pool itself (aliased to state_ref, whose buffer it is: read and written through new_ref). `skip_dead`: a row
+    in the scratch slot (slot 0) reads and writes nothing (its outputs are left unwritten)."""
     r, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[r]
-    kh = h // rep
-    cols = pl.ds(j * block_v, block_v)
-    q = pltriton.load(q_ref.at[r, kh, :]).astype(jnp.float32)  # [Dk]
-    k = pltriton.load(k_ref.at[r, kh, :]).astype(jnp.float32)
-    v = pltriton.load(v_ref.at[r, h, cols]).astype(jnp.float32)  # [bv]
-    decay = jnp.exp(g_ref[r, h].astype(jnp.float32))
-    beta = beta_ref[r, h].astype(jnp.float32)
-    src = new_ref if in_place else state_ref
-    s = pltriton.load(src.at[slot, h, :, cols]).astype(jnp.float32) * decay  # [Dk, bv]
-    kv = jnp.sum(s * k[:, None], axis=0)  # [bv]
-    s = s + k[:, None] * ((v - kv) * beta)[None, :]
-    o = jnp.sum(s * q[:, None], axis=0)
-    pltriton.store(new_ref.at[slot if in_place else r, h, :, cols], s.astype(new_ref.dtype))
-    pltriton.store(o_ref.at[r, h, cols], o)
+
+    def step():
+        kh = h // rep
+        cols = pl.ds(j * block_v, block_v)
+        q = pltriton.load(q_ref.at[r, kh, :]).astype(jnp.float32)  # [Dk]
+        k = pltriton.load(k_ref.at[r, kh, :]).astype(jnp.float32)
+        v = pltriton.load(v_ref.at[r, h, cols]).astype(jnp.float32)  # [bv]
+        decay = jnp.exp(g_ref[r, h].astype(jnp.float32))
+        beta = beta_ref[r, h].astype(jnp.float32)
+        src = new_ref if in_place else state_ref
+        s = pltriton.load(src.at[slot, h, :, cols]).astype(jnp.float32) * decay  # [Dk, bv]
+        kv = jnp.sum(s * k[:, None], axis=0)  # [bv]
+        s = s + k[:, None] * ((v - kv) * beta)[None, :]
+        o = jnp.sum(s * q[:, None], axis=0)
+        pltriton.store(new_ref.at[slot if in_place else r, h, :, cols], s.astype(new_ref.dtype))
+        pltriton.store(o_ref.at[r, h, cols], o)
+
+    if skip_dead:
+        pl.when(slot != 0)(step)
+    else:
+        step()
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "in_place"))
-def _step(state, slots, q, k, v, g, beta, *, interpret: bool, in_place: bool):
+# The launch shape, tuned on an H100 at Qwen3.5-9B's heads (benchmarks/diag/gdn_decode_tune.py; NOTES item 53):
+# BLOCK_V value columns a program ([Dk, BLOCK_V] of the state), NUM_WARPS, and dead rows skipped. The environment's
+# JAXRL_GDN_DECODE_FORM="block_v,num_warps,skip_dead" (e.g. "64,4,1") overrides it, for tuning runs.
+BLOCK_V, NUM_WARPS, SKIP_DEAD = 128, 8, True
+if os.environ.get("JAXRL_GDN_DECODE_FORM"):
+    _form = os.environ["JAXRL_GDN_DECODE_FORM"].split(",")
+    BLOCK_V, NUM_WARPS, SKIP_DEAD = int(_form[0]), int(_form[1]), bool(int(_form[2]))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "in_place", "block_v", "num_warps", "skip_dead"))
+def _step(state, slots, q, k, v, g, beta, *, interpret: bool, in_place: bool, block_v: int | None = None,
+          num_warps: int | None = None, skip_dead: bool | None = None):
     rows, hv, dv = v.shape
     dk = q.shape[-1]
-    block_v = min(dv, max(16, 4096 // dk))  # a [Dk, bv] fp32 block of about 16 KB
-    kernel = functools.partial(_kernel, rep=hv // q.shape[1], block_v=block_v, in_place=in_place)
+    block_v = min(dv, block_v or BLOCK_V)
+    kernel = functools.partial(_kernel, rep=hv // q.shape[1], block_v=block_v, in_place=in_place,
+                               skip_dead=SKIP_DEAD if skip_dead is None else skip_dead)
     full = lambda x: pl.BlockSpec(block_shape=x.shape, index_map=lambda *_: (0,) * x.ndim)
     args = (slots.astype(jnp.int32), q, k, v, g, beta, state)
     new = jax.ShapeDtypeStruct(state.shape if in_place else (rows, hv, dk, dv), state.dtype)
@@ -100,7 +124,7 @@ def _step(state, slots, q, k, v, g, beta, *, interpret: bool, in_place: bool):
         out_specs=[full(v), full(new)],
         out_shape=[jax.ShapeDtypeStruct((rows, hv, dv), jnp.float32), new],
         input_output_aliases={6: 1} if in_place else {},
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="gdn_decode_step_in_place" if in_place else "gdn_decode_step",
     )(*args)

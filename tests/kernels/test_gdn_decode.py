@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.models.gated_delta import l2norm, recurrent_gated_delta_rule
+from kernels import gdn_decode
 from kernels.gdn_decode import gdn_decode_step, gdn_decode_step_reference
 
 
@@ -45,6 +46,23 @@ def test_in_place_kernel_writes_each_rows_slot_and_leaves_the_others(dtype, tol)
         np.testing.assert_allclose(got[np.asarray(slots)], np.asarray(ref_rows, np.float32), rtol=tol, atol=tol)
         others = np.setdiff1d(np.arange(state.shape[0]), np.asarray(slots))
         np.testing.assert_array_equal(got[others], np.asarray(state, np.float32)[others])
+
+
+@pytest.mark.parametrize("block_v,skip_dead", [(16, False), (32, True), (16, True)])
+def test_launch_forms_agree_and_a_skipped_dead_row_writes_nothing(block_v, skip_dead):
+    """Each launch shape (the tuning's forms) gives the reference's live rows; with dead rows (slot 0) skipped,
+    the scratch slot is left as it was, and without, it is written (so the test can tell the two apart)."""
+    state, slots, q, k, v, g, beta = _inputs(rows=6)
+    slots = slots.at[jnp.array([1, 4])].set(0)  # two finished rows in the scratch slot
+    live = np.asarray(slots) != 0
+    ref_o, ref_rows = gdn_decode_step_reference(state, slots, q, k, v, g, beta)
+    o, pool = gdn_decode._step(state, slots, q, k, v, g, beta, interpret=True, in_place=True, block_v=block_v,
+                               num_warps=4, skip_dead=skip_dead)
+    np.testing.assert_allclose(np.asarray(o)[live], np.asarray(ref_o)[live], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(pool)[np.asarray(slots)[live]], np.asarray(ref_rows)[live], rtol=1e-5,
+                               atol=1e-5)
+    scratch_kept = np.array_equal(np.asarray(pool[0]), np.asarray(state[0]))
+    assert scratch_kept == skip_dead
 
 
 def test_the_reference_is_one_step_of_the_recurrent_form():
