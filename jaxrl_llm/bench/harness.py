@@ -259,10 +259,26 @@ def commit() -> str:
     return sha + "+dirty" if dirty else sha
 
 
+RUNS = "benchmarks/runs"  # a run's output, not its files: left out of the tree hash
+
+
+def _write_tree(repo: str, env: dict, *setup: list[str]) -> str | None:
+    """`git write-tree` of the index in env's GIT_INDEX_FILE after the `setup` git commands and the removal of
+    RUNS from it; None where a command fails."""
+    for cmd in (*setup, ["rm", "-r", "-q", "--cached", "--ignore-unmatch", "--", RUNS]):
+        if subprocess.run(["git", *cmd], cwd=repo, env=env, capture_output=True).returncode != 0:
+            return None
+    out = subprocess.run(["git", "write-tree"], cwd=repo, env=env, capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
 def tree(repo: str = REPO) -> str | None:
-    """The git tree of the files here, tracked and untracked less the ignored, as `git write-tree` names it: a copied
-    tree on a lent machine names whatever commit its git sits on, but this hash is the tree of the commit whose
-    files ran (`commit_of_tree` finds it where that commit exists). None outside a git checkout."""
+    """The git tree of the files here, tracked and untracked less the ignored, and less benchmarks/runs/, as
+    `git write-tree` names it: a copied tree on a lent machine names whatever commit its git sits on, but this hash
+    is the files of the commit that ran (`commit_of_tree` finds it where that commit exists). None outside a git
+    checkout. benchmarks/runs/ is left out whole: what a run writes there (the GPU check's report, after its first
+    config) is its output, and a lent machine's git index, of an older commit, lacks the runs committed since,
+    which made the 9B's checks name no commit (2026-11-27, 2026-11-28)."""
     git_index = subprocess.run(["git", "rev-parse", "--git-path", "index"], cwd=repo, capture_output=True, text=True)
     if git_index.returncode != 0:
         return None
@@ -271,22 +287,23 @@ def tree(repo: str = REPO) -> str | None:
         src = os.path.join(repo, git_index.stdout.strip())
         if os.path.exists(src):  # a copy of git's index: only the files that changed are hashed again
             shutil.copy(src, index)
-        env = {**os.environ, "GIT_INDEX_FILE": index}
-        # What a run writes into benchmarks/runs/ (the GPU check's report, after its first config) is its output,
-        # not its files: untracked there, it is left out (it made the 9B's check name no commit, 2026-11-27)
-        if subprocess.run(["git", "add", "-A", "--", ".", ":!benchmarks/runs"], cwd=repo, env=env,
-                          capture_output=True).returncode != 0:
-            return None
-        out = subprocess.run(["git", "write-tree"], cwd=repo, env=env, capture_output=True, text=True)
-    return out.stdout.strip() or None
+        return _write_tree(repo, {**os.environ, "GIT_INDEX_FILE": index}, ["add", "-A", "--", ".", f":!{RUNS}"])
 
 
-def commit_of_tree(tree_hash: str | None, repo: str = REPO) -> str | None:
-    """The newest commit (any branch) whose files are `tree_hash`, as a short hash; None where none is."""
+def commit_tree(commit: str, repo: str = REPO) -> str | None:
+    """`tree`'s hash for a commit's files (its tree less benchmarks/runs/)."""
+    with tempfile.TemporaryDirectory() as d:
+        return _write_tree(repo, {**os.environ, "GIT_INDEX_FILE": os.path.join(d, "index")}, ["read-tree", commit])
+
+
+def commit_of_tree(tree_hash: str | None, repo: str = REPO, newest: int = 400) -> str | None:
+    """The newest commit (any branch, of the `newest` last) whose files are `tree_hash` (`tree`'s hash), as a short
+    hash; None where none is."""
     if not tree_hash:
         return None
-    out = subprocess.run(["git", "log", "--all", "--format=%h %T"], cwd=repo, capture_output=True, text=True)
-    return next((c for c, t in (line.split() for line in out.stdout.splitlines()) if t == tree_hash), None)
+    out = subprocess.run(["git", "log", "--all", "-n", str(newest), "--format=%h"], cwd=repo, capture_output=True,
+                         text=True)
+    return next((c for c in out.stdout.split() if commit_tree(c, repo) == tree_hash), None)
 
 
 def meta(uses_jax: bool = True) -> dict:

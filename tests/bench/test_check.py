@@ -104,14 +104,15 @@ def _git(repo, *args) -> str:
 
 def test_the_files_that_ran_name_their_commit_whatever_the_copys_git_says(tmp_path):
     """A lent machine's copy of the tree can sit on an older commit (its report read '19fb848+dirty' for the tree of
-    a later one): the report carries the files' git tree, and a merge here names the commit of that tree."""
+    a later one): the report carries the files' git tree less benchmarks/runs/, and a merge here names the commit of
+    that tree, also where the copy's git index lacks runs committed since (2026-11-28: it named none)."""
     repo = tmp_path / "repo"
     repo.mkdir()
     _git(repo, "init", "-q")
     (repo / "a.py").write_text("x = 1\n")
     _git(repo, "add", "-A")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
-    assert harness.tree(str(repo)) == _git(repo, "rev-parse", "HEAD^{tree}")
+    assert harness.tree(str(repo)) == _git(repo, "rev-parse", "HEAD^{tree}")  # no runs: git's own tree
     (repo / "benchmarks" / "runs").mkdir(parents=True)  # a run's own output, written while it runs: not its files
     (repo / "benchmarks" / "runs" / "gpu_check_x.json").write_text("{}\n")
     assert harness.tree(str(repo)) == _git(repo, "rev-parse", "HEAD^{tree}")
@@ -121,14 +122,17 @@ def test_the_files_that_ran_name_their_commit_whatever_the_copys_git_says(tmp_pa
     ran = harness.tree(str(repo))
     assert ran != _git(repo, "rev-parse", "HEAD^{tree}") and harness.commit_of_tree(ran, str(repo)) is None
     assert _git(repo, "diff", "--cached", "--name-only") == ""  # git's own index untouched: nothing staged
+    (repo / "benchmarks" / "runs" / "65_gen.json").write_text("{}\n")  # committed with the code, as 6d1a6ae did
     _git(repo, "add", "-A")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
-    assert harness.commit_of_tree(ran, str(repo)) == _git(repo, "rev-parse", "--short", "HEAD")
+    head = _git(repo, "rev-parse", "--short", "HEAD")
+    assert harness.commit_of_tree(ran, str(repo)) == head  # the copy, whose index lacked 65_gen.json, ran `two`
+    assert harness.tree(str(repo)) == ran == harness.commit_tree("HEAD", str(repo))
 
-    head_tree = _git(check.REPO, "rev-parse", "HEAD^{tree}")
+    head_tree = harness.commit_tree("HEAD")
     named = check.named_commit({"date": "d", "device": "NVIDIA H200", "commit": "0ld5ha1+dirty", "tree": head_tree})
     assert named["ran_as"] == "0ld5ha1+dirty"
-    assert _git(check.REPO, "rev-parse", f"{named['commit']}^{{tree}}") == head_tree
+    assert harness.commit_tree(named["commit"]) == head_tree
     stale = {"commit": "0ld5ha1+dirty", "tree": "0" * 40}
     assert check.named_commit(stale) == stale
     assert check.report_path("d", "0ld5ha1+dirty", "NVIDIA H200").endswith("gpu_check_0ld5ha1-dirty_h200.json")
