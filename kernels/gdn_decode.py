@@ -111,7 +111,8 @@ def _step(state, slots, q, k, v, g, beta, *, interpret: bool, in_place: bool, bl
           num_warps: int | None = None, skip_dead: bool | None = None):
     rows, hv, dv = v.shape
     dk = q.shape[-1]
-    block_v = min(dv, block_v or BLOCK_V)
+    # a program's [Dk, bv] fp32 block stays at most the tuned [128, 128] (64 KB of registers over 8 warps)
+    block_v = min(dv, block_v or BLOCK_V, max(16, 16384 // dk))
     kernel = functools.partial(_kernel, rep=hv // q.shape[1], block_v=block_v, in_place=in_place,
                                skip_dead=SKIP_DEAD if skip_dead is None else skip_dead)
     full = lambda x: pl.BlockSpec(block_shape=x.shape, index_map=lambda *_: (0,) * x.ndim)
