@@ -16,7 +16,7 @@
 source "$(dirname "$0")/common.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 K=$(nvidia-smi -L | wc -l)
-CACHE=/tmp/jaxcache
+CACHE=$XLA_CACHE  # common.sh's
 for phase in ${PHASES:-sync long seed}; do
   echo "=== $phase"
   case $phase in

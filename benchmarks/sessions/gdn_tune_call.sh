@@ -14,7 +14,7 @@ print(f'{best["block_v"]},{best["num_warps"]},{int(best["skip_dead"])}' if best 
 PY
 )
 echo "FORM=$FORM"; export JAXRL_GDN_DECODE_FORM=$FORM
-C=/tmp/c43
+C=$XLA_CACHE  # common.sh's: restored from .xla_cache where carried
 run gen9b_after "${T_9B:-300}" python3 -m jaxrl_llm.bench --sections gen --presets qwen3_5_9b --engines paged \
   --repeats 1 --compile_cache $C
 run gen7b_after "${T_7B:-150}" python3 -m jaxrl_llm.bench --sections gen --presets qwen2p5_7b --engines paged \

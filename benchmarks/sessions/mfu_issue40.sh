@@ -21,7 +21,7 @@
 source "$(dirname "$0")/common.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 GPUS=${GPUS:-4}
-CACHE=/tmp/jaxcache
+CACHE=$XLA_CACHE  # common.sh's
 SMALL=${SMALL:+--small}  # SMALL=1: the tiny model, to check the script's plumbing on a CPU
 E2E=(python3 -m jaxrl_llm.bench --sections e2e --remat auto --token_budget 16384 --train_presets qwen2p5_7b
      --steps "${STEPS:-2}" --kv_cache paged --fsdp "$GPUS" --compile_cache $CACHE $SMALL)

@@ -9,7 +9,7 @@
 source "$(dirname "$0")/common.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 K=$(nvidia-smi -L | wc -l)
-CACHE=/tmp/jaxcache  # jax's persistent cache: the 1-GPU run's engine programs serve the shards of the K-GPU run
+CACHE=$XLA_CACHE  # common.sh's; jax's persistent cache: the 1-GPU run's engine programs serve the shards of the K-GPU run
 for phase in ${PHASES:-check gen e2e}; do
   echo "=== $phase"
   case $phase in

@@ -20,7 +20,7 @@
 #             state_update scatter then in_place (what profile9b's last run may not have had the time for)
 source "$(dirname "$0")/common.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
-CACHE=/tmp/issue43_xla_cache
+CACHE=$XLA_CACHE  # common.sh's: restored from .xla_cache where carried; `pack_cache` brings it back
 for phase in ${PHASES:-kernels gen}; do
   case $phase in
     kernels)
