@@ -151,7 +151,9 @@ def workload(prompts_all: list, rep: int, per_gpu: int, n: int, devices: int, sh
 def one(preset: str, engine: str, section: str, repeats: int, attention: str, max_num_seqs: int,
         log_compiles: bool = False, out_dir: str | None = None, devices: int = 1, shard_work: str = "drawn",
         do_profile: bool = False, prompts: int | None = None, phase_timing: bool = False,
-        state_update: str = "in_place"):
+        state_update: str = "in_place", max_new: int | None = None):
+    """One preset's generation rows (see the module docstring). `max_new` caps the drawn response lengths (and the
+    engine's `max_model_len`): the CPU tests' short form of the workload, whose rows they check, not its speed."""
     import logging
 
     from jaxrl_llm import sharding
@@ -179,7 +181,7 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
     jax.block_until_ready(params)
     per_gpu, n = (prompts or (128 if section == "gen" else 64)), 5
     prompts_all = gsm8k_prompts(per_gpu * devices * (repeats + 1), vocab_size=cfg.vocab_size)
-    max_new = 1024 if section == "gen" else 16384
+    cap, max_new = max_new, max_new or (1024 if section == "gen" else 16384)
     mesh = sharding.make_mesh(1, devices, 1, devices=jax.devices()[:devices]) if devices > 1 else None
     if engine == "dense":
         eng = DenseJaxEngine(cfg, params, mesh=mesh, dtype="bfloat16", max_batch_size=4096 * devices,
@@ -194,6 +196,8 @@ def one(preset: str, engine: str, section: str, repeats: int, attention: str, ma
     for rep in range(repeats + 1):
         prompts, lens = workload(prompts_all, rep, per_gpu, n, devices, shard_work,
                                  seed_response_lengths if section == "gen" else long_lengths)
+        if cap:
+            lens = np.minimum(lens, cap)
         compiles.reset()
         if log_handler:
             log_handler.stream.write(f"=== repeat {rep}\n")

@@ -12,7 +12,7 @@ from jaxrl_llm.rollout.shard import PHASES
 @pytest.mark.slow
 def test_gen_rows_break_a_hybrid_generation_into_phases_and_a_profile(own_rows, tmp_path):
     gen.one("tiny_qwen35", "paged", "gen", repeats=0, attention="auto", max_num_seqs=16, out_dir=str(tmp_path),
-            do_profile=True, prompts=2, phase_timing=True)
+            do_profile=True, prompts=2, phase_timing=True, max_new=48)  # the rows' form, not the seed's lengths
     by = {}
     for r in ROWS.rows:
         by.setdefault(r["section"], []).append(r)
