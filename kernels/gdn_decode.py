@@ -63,7 +63,8 @@ def gdn_decode_step_reference(state, slots, q, k, v, g, beta, *, in_place: bool 
     s = s + jnp.einsum("shk,shv->shkv", kf, (v.astype(jnp.float32) - kv) * beta.astype(jnp.float32)[..., None])
     o = jnp.einsum("shkv,shk->shv", s, qf)
     rows = s.astype(state.dtype)
-    return o, (state.at[slots].set(rows) if in_place else rows)
+    # only the scratch slot repeats among the rows' slots (as in every pool write: rollout/paged_decode.put)
+    return o, (state.at[slots].set(rows, unique_indices=True) if in_place else rows)
 
 
 def _kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_ref, *, rep, block_v, in_place,

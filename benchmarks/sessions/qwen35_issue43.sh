@@ -8,6 +8,9 @@
 #   e2e       the GRPO step at the seed's share with LoRA r32, Qwen3.5-9B then Qwen2.5-7B (PRESETS overrides)
 #   moe       the LoRA step of Qwen3.5-35B-A3B and Qwen3-30B-A3B at 128 prompts x 5 (an H200)
 #   gdn       the chunked kernel's tokens/s against the attention layers' (bench section gated_delta)
+#   prefillmem (not in the defaults; about 90 s) the 9B's widest prefill programs compiled, not run: XLA's memory
+#             with each linear layer's slot reads ordered after its input, and unordered (diag/prefill_memory.py)
+#   check9b   (not in the defaults) the GPU check's 9B LoRA step alone (T_CHECK, 470 s by default)
 #   profile9b (not in the defaults; one call of under 10 minutes on one H100, PROFILE_S = 560 s in all) the copy
 #             program's compiled memory at the 9B's widest copies (benchmarks/diag/copy_memory.py: as built, each
 #             linear layer's copy chained, against unchained); the 9B's generation at 256 rows with a kernel
@@ -43,6 +46,15 @@ for phase in ${PHASES:-kernels gen}; do
         run "e2e_${p}_lora32" "${T_E2E:-280}" python3 -m jaxrl_llm.bench --sections e2e --train_presets "$p" \
           --lora_rank 32 --remat auto --token_budget 16384 --steps 2 --compile_cache "$CACHE"
       done ;;
+    prefillmem)
+      echo "=== prefill_memory"
+      timeout 150 python3 benchmarks/diag/prefill_memory.py 64,128 32,256 > "$OUT/prefill_memory.log" 2>&1
+      echo "rc=$?"; grep -E "^(pool|prefill)" "$OUT/prefill_memory.log" | cut -c1-200 ;;
+    check9b)
+      echo "=== gpu_check e2e_qwen3_5_9b_lora32"
+      timeout -s TERM "${T_CHECK:-470}" python3 scripts/gpu_check.py --configs e2e_qwen3_5_9b_lora32 \
+        --budget_s $(( ${T_CHECK:-470} - 10 )) --compile_cache "$CACHE" --out_dir "$OUT" > "$OUT/check9b.log" 2>&1
+      echo "rc=$?"; tail -25 "$OUT/check9b.log" | cut -c1-300 ;;
     gdn)
       run gated_delta "${T_GDN:-200}" python3 -m jaxrl_llm.bench --sections gated_delta --compile_cache "$CACHE" ;;
     profile9b)

@@ -83,6 +83,16 @@ def page_size(pool) -> int:
     return next(entry for entry in pool if not is_state(entry))[0].shape[2]
 
 
+def put(x, index, value):
+    """x.at[index].set(value), for every write into the pool: K/V pages, conv windows and recurrent-state slots.
+
+    In every such write only the scratch entry (page or slot 0) can repeat: finished rows, padding tokens, padding
+    rows, rows without a snapshot and unused copy pairs all write there, and nothing reads what lands there. Live
+    rows own their pages and slots. So the indices are taken as unique: XLA's GPU scatter otherwise serialises the
+    writes (a Qwen3.5-9B conv window's write went from 0.93 to 0.031 ms a layer, BENCHMARKS.md)."""
+    return x.at[index].set(value, unique_indices=True)
+
+
 def copy_pages(pool, src, dst, state_src=None, state_dst=None):
     """pool[:, dst] = pool[:, src] in every attention layer (copy on write), per shard, and the state slots
     state_dst = state_src in every linear layer (a prompt's snapshot into its siblings' slots).
@@ -97,12 +107,12 @@ def copy_pages(pool, src, dst, state_src=None, state_dst=None):
     """
     def local(k, v, s, d):
         s, d = s[0], d[0]
-        return k.at[:, d].set(k[:, s]), v.at[:, d].set(v[:, s])
+        return put(k, (slice(None), d), k[:, s]), put(v, (slice(None), d), v[:, s])
 
     def states(conv, rec, after):
         if after is not None:
             conv, rec, _ = jax.lax.optimization_barrier((conv, rec, after))
-        return conv.at[state_dst].set(conv[state_src]), rec.at[state_dst].set(rec[state_src])
+        return put(conv, state_dst, conv[state_src]), put(rec, state_dst, rec[state_src])
 
     out, after = [], None
     for entry in pool:
@@ -144,9 +154,8 @@ def _per_shard(fn, args, kinds, out_kinds):
 
 
 def _write(pages, new, page, off):
-    """Scatters new [B, T, K, H] into pages [K, P, ps, H] at (page, off) [B, T]. Only the scratch page's places
-    repeat (finished rows and padding write there; live tokens own theirs), so the indices are taken as unique."""
-    return pages.at[:, page, off].set(new.transpose(2, 0, 1, 3).astype(pages.dtype), unique_indices=True)
+    """Scatters new [B, T, K, H] into pages [K, P, ps, H] at (page, off) [B, T] (`put`)."""
+    return put(pages, (slice(None), page, off), new.transpose(2, 0, 1, 3).astype(pages.dtype))
 
 
 def _gather(pages, tables):
@@ -167,6 +176,13 @@ def _attend(q, kg, vg, mask):
     p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgtc,bkch->btkgh", p, vg.astype(q.dtype))
     return out.reshape(b, t, n, h)
+
+
+# A prefill's linear layer reads its rows' states from the slots once the layer's input exists (an optimization
+# barrier). Nothing else orders a layer's gather after the layers before it, and the gathers depend on the pool alone:
+# XLA may gather every layer's rows at the start, each an fp32 state a row, all alive at once (benchmarks/diag/
+# prefill_memory.py compares the two on a GPU; XLA's CPU pipeline drops the barrier).
+ORDER_SLOT_READS = True
 
 
 def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, slot=None, snap=None, *, spec: DecodeSpec):
@@ -213,6 +229,8 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, slot=None,
             return out, (kp, vp)
 
         def recur(mixed, g, beta, conv_w, conv=kp, rec=vp):
+            if ORDER_SLOT_READS:  # see the constant
+                mixed, conv, rec = jax.lax.optimization_barrier((mixed, conv, rec))
             fresh = start == 0  # a row's first chunk starts from zeros; a later one from its slot
             conv0 = jnp.where(fresh[:, None, None], 0, conv[slot]).astype(mixed.dtype)
             rec0 = jnp.where(fresh[:, None, None, None], 0, rec[slot].astype(jnp.float32))
@@ -222,7 +240,7 @@ def prefill_chunk(eparams, pool, ids, tables, start, length, scratch, slot=None,
             conv1, rec1 = conv1.astype(conv.dtype), rec1.astype(rec.dtype)
             # the next layer waits for the slots' update (see the decode step)
             o, conv, rec = jax.lax.optimization_barrier(
-                (o, conv.at[slot].set(conv1).at[snap].set(conv1), rec.at[slot].set(rec1).at[snap].set(rec1)))
+                (o, put(put(conv, slot, conv1), snap, conv1), put(put(rec, slot, rec1), snap, rec1)))
             return o, (conv, rec)
 
         x, kv, ex = _layer(lp, x, cos, sin, attend, spec, recur)
@@ -317,12 +335,9 @@ def decode_segment(eparams, pool, tables, pos, last, t, row_max, active, rids, s
                 in_place = spec.state_update == "in_place"  # the kernel writes the slots (else the rows' states)
                 o, rows = _decode_step(rec, slot, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], in_place=in_place)
                 # The layer's output waits for its slots' update: else XLA may schedule every layer's scatter
-                # at the end of the step, each layer's new rows alive until then (24 GB at Qwen3.5-9B). Only the
-                # scratch slot repeats among the rows' slots, and what lands there is garbage: the scatters take
-                # their indices as unique (else XLA's GPU scatter serialises the writes: 1.6 s of the 9B's 17 s).
-                conv = conv.at[slot].set(conv1.astype(conv.dtype), unique_indices=True)
-                o, conv, rec = jax.lax.optimization_barrier(
-                    (o, conv, rows if in_place else rec.at[slot].set(rows, unique_indices=True)))
+                # at the end of the step, each layer's new rows alive until then (24 GB at Qwen3.5-9B).
+                conv = put(conv, slot, conv1.astype(conv.dtype))
+                o, conv, rec = jax.lax.optimization_barrier((o, conv, rows if in_place else put(rec, slot, rows)))
                 return o[:, None], (conv, rec)
 
             x, kv, ex = _layer(lp, x, cos, sin, attend, spec, recur)

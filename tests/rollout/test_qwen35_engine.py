@@ -187,3 +187,34 @@ def test_a_frozen_bases_experts_are_read_in_place(hf_and_model, monkeypatch):
     copied = JaxEngine(model.cfg, params, dtype="float32", page_size=4)
     assert "experts" not in copied.params
     np.testing.assert_array_equal(copied.generate(PROMPTS, sp).tokens, shared.tokens)
+
+
+def test_every_pool_write_takes_its_indices_as_unique_and_a_prefill_reads_a_layers_slots_after_its_input():
+    """Only the scratch page or slot repeats among a pool write's indices (finished rows, padding and unused copy
+    pairs write there; nothing reads it), so every scatter into the pool says its indices are unique: XLA's GPU
+    scatter otherwise serialises the writes (a Qwen3.5-9B conv window's: 0.93 -> 0.031 ms a layer). And a prefill's
+    linear layer gathers its rows' states only once its input exists (a barrier a layer beside the write's): the
+    gathers read only the pool, so else XLA may gather every layer's at the start. The memory that saves shows only
+    on a GPU (benchmarks/diag/prefill_memory.py); here: the programs' text."""
+    cfg = DecoderConfig.tiny_qwen35(dtype="float32")
+    eng = JaxEngine(cfg, init_params(cfg, seed=0), dtype="float32", page_size=4, max_num_seqs=8, max_model_len=32)
+    spec, base = eng._spec(SamplingParams(), eng.decode_attention), eng._base
+    pool = eng.abstract_pool(spec, 64, 11, base)
+    w = 8
+    programs = {"_prefill": ((base.params, pool, np.zeros((4, 16 + w + paged_decode.PREFILL_COLS), np.int32)),
+                             {"spec": spec, "length": 16}),
+                "_decode": ((base.params, pool, np.zeros((4, w + paged_decode.DECODE_COLS), np.int32)),
+                            {"spec": spec}),
+                "_copy": ((pool, np.zeros((4, 16), np.int32)), {})}
+    texts = {}
+    for name, (args, static) in programs.items():
+        with jax.set_mesh(base.mesh):
+            texts[name] = getattr(JaxEngine, name).lower(eng, *eng._abstract(args, base.mesh), **static).as_text()
+    scatters = {name: [line for line in text.splitlines() if '"stablehlo.scatter"' in line]
+                for name, text in texts.items()}
+    # prefill: each attention layer's K and V, each linear layer's conv and state into slot and snapshot
+    linear, attention = len(spec.linear_layers), spec.num_layers - len(spec.linear_layers)
+    assert len(scatters["_prefill"]) == 2 * attention + 4 * linear
+    assert len(scatters["_copy"]) == 2 * attention + 2 * linear and scatters["_decode"]
+    assert all("unique_indices = true" in line for lines in scatters.values() for line in lines), scatters
+    assert texts["_prefill"].count("stablehlo.optimization_barrier") == 2 * linear
