@@ -9,7 +9,7 @@ run() {
   local name=$1 t=$2; shift 2
   echo "=== $name"
   timeout "$t" "$@" --out "/tmp/out_$name" > "$OUT/$name.log" 2>&1
-  echo "rc=$?"; grep -E '^  \[|RLTrainer built|"(e2e|sync|seed_gen|gen|long|memory|sync_split|async_longtail|async_longtail_summary)"|Error' "$OUT/$name.log" | cut -c1-420
+  echo "rc=$?"; grep -E '^  \[|RLTrainer built|"(e2e|e2e_build|sync|seed_gen|gen|long|memory|sync_split|async_longtail|async_longtail_summary)"|Error' "$OUT/$name.log" | cut -c1-420
   cp "/tmp/out_$name/bench.json" "$OUT/$name.json" 2>/dev/null
   cp "/tmp/out_$name/rows.jsonl" "$OUT/$name.rows.jsonl" 2>/dev/null  # the rows so far, if it timed out
   return 0

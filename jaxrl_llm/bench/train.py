@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm import compile_watch
 from jaxrl_llm.bench import trace
 from jaxrl_llm.bench.harness import (
     CEILINGS,
@@ -162,10 +163,15 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
                        max_batch=4096 * n_dev, decode_attention=decode_attention, kv_cache=kv_cache,
                        lora_rank=lora_rank, lora_alpha=lora_alpha, base_quantization=base_quantization,
                        **(lever_settings or {}))
-        t_init = time.perf_counter()
-        trainer = RLTrainer(run)
+        t_init, before = time.perf_counter(), compile_watch.totals()
+        with CompileSeconds() as building:  # where a cold build goes (the 9B's took 259 s on an H100)
+            trainer = RLTrainer(run)
+        build_s = time.perf_counter() - t_init
         if jax.process_index() == 0:
-            print(f"  RLTrainer built in {time.perf_counter() - t_init:.1f}s", flush=True)
+            print(f"  RLTrainer built in {build_s:.1f}s", flush=True)
+        after = compile_watch.totals()
+        emit(section="e2e_build", preset=preset, lora_rank=lora_rank, seconds=build_s,
+             **{k: after[k] - before[k] for k in after}, slowest=building.slowest(8))
         engine = trainer.engine  # the engine role: its generate caps each row at a drawn length
         generate = engine.generate
         draws = iter(range(1000))
