@@ -237,14 +237,16 @@ class Stopped(Exception):
 
 def check(names, *, out_dir: str, budget_s: float | None, compile_cache: str, baselines: dict,
           on_rows=None) -> tuple[str, list[dict]]:
-    """Runs the configs `names` in order within `budget_s` seconds (None: `default_budget_s`); (the device kind, the
+    """Runs the configs `names` in the order named within `budget_s` seconds (None: `default_budget_s`), so that a
+    call runs first what it names first (a config whose programs an earlier call cached); (the device kind, the
     result rows of all their figures). `on_rows(device, rows)` is called after each config with the rows so far (the
     script writes its report there, so that a call killed from outside loses only the config it was running); a
     `Stopped` raised while a config runs makes its figures errors and the configs after it not run."""
     budget_s = default_budget_s(names) if budget_s is None else budget_s
     t_end = time.monotonic() + budget_s
     device, results, stopped, gpus = gpu_name(), [], None, gpu_count()
-    for cfg in (c for c in CONFIGS if c.name in names):
+    by_name = {c.name: c for c in CONFIGS}
+    for cfg in (by_name[n] for n in dict.fromkeys(names)):
         left = t_end - time.monotonic()
         if cfg.gpus > max(gpus, 1):
             results.extend(not_run(fig, f"it needs {cfg.gpus} GPUs and this machine has {gpus} (run it on a "

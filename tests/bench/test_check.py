@@ -193,6 +193,16 @@ def test_gpu_check_exits_3_for_configs_not_run_and_says_so(fake_gpu, tmp_path):
     assert "--configs e2e_qwen3_1p7b" in rows[4]["note"] and not rows[4]["ok"]
 
 
+def test_the_configs_run_in_the_order_named(fake_gpu, tmp_path):
+    """A call that names a config first runs it first (it may be the one an earlier call left cached on the
+    machine): with the budget for one, the other is the one not run, whichever order CONFIGS lists them in."""
+    for names in (["moe_update", "e2e_1p5b"], ["e2e_1p5b", "moe_update"]):
+        assert gpu_check_main()(["--work_dir", str(tmp_path / "work"), "--configs", ",".join(names),
+                                 "--budget_s", "160"]) == 3
+        rows = check.load_report(str(tmp_path / "report.json"))["results"]
+        assert [r["run"] for r in rows] == names and [r["status"] for r in rows] == ["ok", "not run"], rows
+
+
 def test_a_device_with_nothing_recorded_is_no_baseline_and_no_pass(fake_gpu, tmp_path, monkeypatch):
     base = check.load_baselines()
     for spec in base["figures"].values():
