@@ -33,9 +33,12 @@ _CACHE = os.environ.setdefault("JAXRL_TEST_XLA_CACHE", tempfile.mkdtemp(prefix="
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-# Processes the tests start inherit it too where nothing else sets one: a trainer worker in a Ray actor
-# (`train.driver='ray'`) compiled cold each time. (CLI runs keep their own `train.compilation_cache_dir`.)
+# Processes the tests start inherit it too: a trainer worker in a Ray actor (`train.driver='ray'`) compiled cold
+# each time. CLI runs and Ray's trainer processes set `train.compilation_cache_dir` (~/.cache/jaxrl_llm/xla), which
+# the second variable replaces: on a fresh CI machine they compiled cold, and shared no program with the in-process
+# tests, whose programs (the sampler's above all) are theirs too.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAXRL_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Ray starts its workers (the trainer's processes and workers, the vLLM engines) at niceness 15. Beside the

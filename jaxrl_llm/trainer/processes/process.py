@@ -20,7 +20,9 @@ def setup_logging(level: str, process_id: int = 0) -> None:
 
 def enable_compilation_cache(path: str) -> None:
     """JAX's persistent compilation cache in `path` ("" = off): a repeated or resumed run loads its
-    compiled programs instead of compiling them again."""
+    compiled programs instead of compiling them again. `JAXRL_COMPILATION_CACHE_DIR`, where set, takes the place of
+    `path`: the test suite points every process it starts at its session's cache, which the in-process tests fill."""
+    path = os.environ.get("JAXRL_COMPILATION_CACHE_DIR", path)
     if not path:
         return
     import jax
