@@ -50,7 +50,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # Test files that start a Ray cluster (in-process or in a child). They run one after another on one xdist
 # worker: two clusters on one small machine compete for its memory and cores.
 RAY_FILES = {"tests/rewards/test_manager_ray.py", "tests/rollout/test_vllm_pool.py", "tests/trainer/test_loop_e2e.py",
-             "tests/trainer/test_multiprocess.py", "tests/trainer/test_async_multiprocess.py"}
+             "tests/trainer/test_multiprocess.py", "tests/trainer/test_async_multiprocess.py",
+             "tests/trainer/test_ray_driver.py"}
 SHARED_DATA = pathlib.Path(os.environ.get("JAXRL_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 

@@ -28,6 +28,7 @@ from jaxrl_llm.trainer.processes.placement import check_processes
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120
+DEATH_GRACE_S = 15.0  # how long a raise waits to learn whether a peer's death caused it (`wait_all`)
 
 
 class TrainProcess:
@@ -94,11 +95,7 @@ def fit_on_ray(run: RunConfig, operative_config: str, *, log_level: str = "INFO"
         log.info("starting %d trainer processes (%s each), coordinator %s", n, bundle, coordinator)
         refs = [a.fit.remote(run, operative_config, ProcessSpec(coordinator, n, i), log_level)
                 for i, a in enumerate(actors)]
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                _result(ref, refs.index(ref), n)
+        wait_all(refs)
         return ray.get(refs[0])
     finally:
         for a in actors:
@@ -106,15 +103,59 @@ def fit_on_ray(run: RunConfig, operative_config: str, *, log_level: str = "INFO"
         remove_placement_group(pg)
 
 
-def _result(ref, index: int, n: int):
-    """The value of a finished process; its failure as one error (the caller stops the others)."""
+def wait_all(refs: list, death_grace_s: float = DEATH_GRACE_S) -> None:
+    """Waits for every process; raises the first failure, but a death before a raise.
+
+    A process that dies takes its peers down with it: a collective or the coordination service fails in each of
+    them, often before Ray has told the driver of the death. So when a process raises, the others get
+    `death_grace_s` to finish, and a death among them is the error reported (the raise is its symptom)."""
+    import ray
+
+    n = len(refs)
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        for ref in done:
+            try:
+                death = _death_of(ref, refs.index(ref), n)
+            except BaseException as raised:
+                death = _a_death(refs, pending, death_grace_s)
+                if death is None:
+                    raise
+                raise death from raised
+            if death is not None:
+                raise death
+
+
+def _a_death(refs: list, pending: list, timeout_s: float) -> DistributedError | None:
+    """The first of `pending` found dead within `timeout_s` (those that return or raise are passed over)."""
+    import time
+
+    import ray
+
+    t_end = time.monotonic() + timeout_s
+    while pending and (left := t_end - time.monotonic()) > 0:
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in done:
+            try:
+                death = _death_of(ref, refs.index(ref), len(refs))
+            except BaseException:  # noqa: BLE001 - another symptom; the first raise stays the error
+                continue
+            if death is not None:
+                return death
+    return None
+
+
+def _death_of(ref, index: int, n: int) -> DistributedError | None:
+    """A finished process: its death as the error to raise, None if it returned; its own raise, unwrapped."""
     import ray
 
     try:
-        return ray.get(ref)
+        ray.get(ref)
     except ray.exceptions.RayTaskError as e:  # the process raised: its own error, unwrapped
         raise e.as_instanceof_cause() from None
     except ray.exceptions.RayActorError as e:  # the process died (killed, out of memory, a crash)
         cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise DistributedError(f"trainer process {index} of {n} died ({cause}); the other processes were "
-                               "stopped. Rerun the same command to resume from the last checkpoint") from None
+        return DistributedError(f"trainer process {index} of {n} died ({cause}); the other processes were "
+                                "stopped. Rerun the same command to resume from the last checkpoint")
+    return None
