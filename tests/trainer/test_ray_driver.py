@@ -2,6 +2,7 @@
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -40,17 +41,19 @@ def processes():
 
 
 def test_a_raise_that_reaches_the_driver_before_its_peers_death_reports_the_death(processes):
-    # As in a killed run: process 1 is SIGKILLed, process 0's next collective raises. Both have finished before the
-    # driver looks, and ray.wait hands back the first in the list: the raise.
+    # As in a killed run: process 0's collective raises as its peer goes; the raise reaches the driver first and
+    # Ray's report of the death comes a moment later (here: process 1 is SIGKILLed a second after the raise).
     a, b = processes
     pid = ray.get(b.pid.remote())
     refs = [a.fail.remote(), b.run.remote(600)]
     ray.wait(refs[:1], timeout=60)
-    os.kill(pid, signal.SIGKILL)
-    ready, _ = ray.wait(refs, num_returns=2, timeout=60)
-    assert len(ready) == 2
-    with pytest.raises(DistributedError, match=r"trainer process 1 of 2 died") as e:
-        wait_all(refs)
+    killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    try:
+        with pytest.raises(DistributedError, match=r"trainer process 1 of 2 died") as e:
+            wait_all(refs)
+    finally:
+        killer.join()
     assert isinstance(e.value.__cause__, RuntimeError)
 
 
