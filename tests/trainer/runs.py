@@ -28,8 +28,8 @@ def optimised_env(*, devices: int = 1, **extra: str) -> dict[str, str]:
     a user's CPU run does; the 8 devices conftest simulates only slowed their steps (Qwen3.5 demo 0.38 -> 0.27 s a
     step, GRPO 0.27 -> 0.22 s, agent demo 0.70 -> 0.62 s, with the same metrics bit for bit). A run compared exactly
     with one of these must use it too."""
-    flags = re.sub(r"--xla_backend_optimization_level=\d+|--xla_force_host_platform_device_count=\d+", "",
-                   os.environ.get("XLA_FLAGS", ""))
+    flags = re.sub(r"--xla_backend_optimization_level=\d+|--xla_force_host_platform_device_count=\d+|"
+                   r"--xla_cpu_use_fusion_emitters=\w+", "", os.environ.get("XLA_FLAGS", ""))
     flags += f" --xla_force_host_platform_device_count={devices}"
     return {**os.environ, "XLA_FLAGS": " ".join(flags.split()), **extra}
 
