@@ -111,7 +111,10 @@ def test_peft_loads_our_adapters_computes_our_logits_and_ours_load_back(tmp_path
     spec = LoraSpec(rank=4, alpha=8.0, targets=resolve_targets("all-linear", cfg=cfg))
     base = load_params(str(tmp_path / "base"), cfg)
     base_logits = _logits(cfg, base)
-    np.testing.assert_array_equal(_logits(cfg, combine(base, init_adapters(cfg, spec, seed=1)), spec), base_logits)
+    # Two programs (with the zero adapters' dots and without): equal to fp32 rounding, which depends on how XLA fuses
+    # them (bit for bit with its CPU backend's MLIR emitters, 1.5e-7 apart with the legacy ones conftest picks).
+    np.testing.assert_allclose(_logits(cfg, combine(base, init_adapters(cfg, spec, seed=1)), spec), base_logits,
+                               rtol=0, atol=1e-6)
     adapters = _random_adapters(cfg, spec)
     ours = _logits(cfg, combine(base, adapters), spec)
     assert _rel_err(ours, base_logits) > 1e-2

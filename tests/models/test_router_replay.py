@@ -172,8 +172,11 @@ def test_replay_on_a_qwen35_moe_packed_micro_batch_gives_the_recording_passs_log
     valid = host["segment_ids"] > 0
     np.testing.assert_array_equal(mb[router_replay.FIELD], np.where(valid[..., None, None], recorded["routing"], -1))
     replayed = jax.device_get(record(params, mb))
-    np.testing.assert_array_equal(replayed["log_prob"], recorded["log_prob"])
+    # The same routing, exactly; the log-probs of two programs (the replay's takes the routing as an input) equal
+    # to fp32 rounding: bit for bit with XLA's CPU MLIR emitters, 3e-7 relative apart with the legacy ones conftest
+    # picks. Another expert anywhere moves them by orders more.
     np.testing.assert_array_equal(replayed["routing"][valid], recorded["routing"][valid])
+    np.testing.assert_allclose(replayed["log_prob"], recorded["log_prob"], rtol=4e-6, atol=0)
 
     bf16 = PRESETS["tiny_qwen35_moe"](initializer_range=0.1, dtype="bfloat16")
     bf_graphdef, _ = graphdef_and_abstract_params(bf16)
