@@ -8,6 +8,9 @@
 #   e2e       the GRPO step at the seed's share with LoRA r32, Qwen3.5-9B then Qwen2.5-7B (PRESETS overrides)
 #   moe       the LoRA step of Qwen3.5-35B-A3B and Qwen3-30B-A3B at 128 prompts x 5 (an H200)
 #   gdn       the chunked kernel's tokens/s against the attention layers' (bench section gated_delta)
+#   train9b   (not in the defaults; about 570 s) the kernel's launch variants at 4096x4, then the 9B's LoRA r32 update
+#             and log-prob passes at the seed's share with the chunked kernel (JAXRL_GDN_KERNEL=1) and in XLA's form
+#             (=0), each with a kernel profile sorted by kind (bench section profile_update)
 #   prefillmem (not in the defaults; about 90 s) the 9B's widest prefill programs compiled, not run: XLA's memory
 #             with each linear layer's slot reads ordered after its input, and unordered (diag/prefill_memory.py)
 #   check9b   (not in the defaults) the GPU check's 9B LoRA step alone (T_CHECK, 470 s by default)
@@ -57,6 +60,14 @@ for phase in ${PHASES:-kernels gen}; do
       echo "rc=$?"; tail -25 "$OUT/check9b.log" | cut -c1-300 ;;
     gdn)
       run gated_delta "${T_GDN:-200}" python3 -m jaxrl_llm.bench --sections gated_delta --compile_cache "$CACHE" ;;
+    train9b)
+      run gated_delta_launch 90 python3 -m jaxrl_llm.bench --sections gated_delta --gdn_shapes 4096x4 \
+        --compile_cache "$CACHE"
+      for kernel in 1 0; do
+        JAXRL_GDN_KERNEL=$kernel run "profile_update_9b_lora32_kernel$kernel" "${T_TRAIN:-240}" python3 -m \
+          jaxrl_llm.bench --sections profile_update --train_presets qwen3_5_9b --lora_rank 32 --remat auto \
+          --token_budget 16384 --compile_cache "$CACHE"
+      done ;;
     profile9b)
       t0=$SECONDS
       left() { local s=$(( ${PROFILE_S:-560} - (SECONDS - t0) - $1 )); echo $(( s > 30 ? s : 30 )); }

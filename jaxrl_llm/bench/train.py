@@ -216,7 +216,8 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
 
 @section("profile_update", help="a kernel profile of one GRPO actor update at the seed's shape (and of the log-prob "
          "pass), top kernels and totals by kind", defaults={"train_presets": "qwen2p5_1p5b", "remat": "auto",
-                                                            "token_budget": 16384}, mem_fraction=TRAINER_MEM_FRACTION)
+                                                            "token_budget": 16384, "lora_rank": 0,
+                                                            "lora_alpha": 64.0}, mem_fraction=TRAINER_MEM_FRACTION)
 def profile_update(opts):
     """Builds the trainer's worker (mesh, remat, token budget and levers as given; `auto` is the trainer's
     default), makes a synthetic seed-shaped batch (`--prompts_per_gpu` x 5 a device, the seed's response
@@ -232,7 +233,8 @@ def profile_update(opts):
     budget = 2048 if opts.small else opts.token_budget
     run = make_run(preset, prompts=n_prompts, n=n, mini=n_prompts // opts.mini_batches, budget=budget,
                    remat=opts.remat, small=opts.small, max_response=max_resp, max_prompt=64 if opts.small else 512,
-                   fsdp=opts.fsdp, tensor=opts.tensor, **levers(opts))
+                   fsdp=opts.fsdp, tensor=opts.tensor, lora_rank=opts.lora_rank, lora_alpha=opts.lora_alpha,
+                   **levers(opts))
     worker = TrainerWorker(run, total_steps=10)
     batch = synthetic_batch(n_prompts, n, max_resp, worker.cfg.vocab_size, max_prompt=run.data.max_prompt_length)
     passes = dict(old=worker.needs_old_log_prob(), ref=worker.needs_ref)
@@ -243,7 +245,8 @@ def profile_update(opts):
     lp = worker._forward(batch, **passes)
     t_lp = time.perf_counter() - t0
     fwd_flops = flops / 3 * sum(passes.values())
-    emit(section="log_prob_pass", preset=preset, remat=worker.cfg.remat, devices=n_dev, **passes,
+    emit(section="log_prob_pass", preset=preset, remat=worker.cfg.remat, devices=n_dev, lora_rank=opts.lora_rank,
+         **passes,
          fused=worker.run.rollout.fuse_log_prob_passes, budget=worker.fwd_pack.rows * worker.fwd_pack.length // n_dev,
          tokens=int(seqlens.sum()), seconds=t_lp, mfu_989=fwd_flops / t_lp / 1e12 / 989.0 / n_dev,
          **worker.pack_metrics())
@@ -253,7 +256,7 @@ def profile_update(opts):
     metrics = worker.update_actor(batch, 1)
     jax.block_until_ready(worker.actor_state["params"])
     t_up = time.perf_counter() - t0
-    emit(section="update", preset=preset, remat=worker.cfg.remat, devices=n_dev,
+    emit(section="update", preset=preset, remat=worker.cfg.remat, devices=n_dev, lora_rank=opts.lora_rank,
          budget=run.actor.ppo_max_token_len_per_gpu, tokens=int(seqlens.sum()), seconds=t_up,
          mfu_989=flops / t_up / 1e12 / 989.0 / n_dev, grad_norm=metrics["actor/grad_norm"], peak_gb=device_gb(),
          pack_rows=worker.pack.rows, pack_length=worker.pack.length, **worker.pack_metrics())

@@ -2,6 +2,10 @@
 autodiff of the jnp form: outputs and final states, all gradients, packed rows, padding, grouped key heads,
 T not a multiple of the chunk, several Dv blocks, bf16 inputs; dispatch through `gated_delta_rule`."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,9 +150,10 @@ def test_dispatch_and_supported_shapes(monkeypatch):
     assert not kernel_supported(q, k, v, impl="auto")  # CPU
     assert kernel_supported(q, k, v, impl="pallas") and not kernel_supported(q, k, v, impl="xla")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert not kernel_supported(q, k, v, impl="auto")  # not yet run on a GPU: 'auto' keeps the XLA form
+    assert kernel_supported(q, k, v, impl="auto")  # validated on a GPU: 'auto' takes the kernels there
+    monkeypatch.setattr("kernels.gated_delta.VALIDATED_ON_GPU", False)  # JAXRL_GDN_KERNEL=0
+    assert not kernel_supported(q, k, v, impl="auto")
     monkeypatch.setattr("kernels.gated_delta.VALIDATED_ON_GPU", True)
-    assert kernel_supported(q, k, v, impl="auto")
     assert not kernel_supported(q[..., :12], k[..., :12], v, impl="auto")  # Dk not a power of two >= 16
     monkeypatch.undo()
     with pytest.raises(ValueError, match="powers of two"):
@@ -246,3 +251,13 @@ def test_compiled_kernels_in_fp32_match_the_jnp_form_closely_on_gpu():
         # elements was 1.26e-3 off (1.9603 against 1.9628), the rest within 1e-3 (2026-11-27)
         rtol = 2e-3 if name == "g" else 1e-3
         np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-4 * float(jnp.max(jnp.abs(y))), err_msg=name)
+
+
+def test_the_environment_keeps_the_xla_form_for_ab_runs():
+    code = "import kernels.gated_delta as g; print(g.VALIDATED_ON_GPU)"
+    env = {**os.environ, "JAXRL_GDN_KERNEL": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    env["JAXRL_GDN_KERNEL"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
