@@ -170,8 +170,8 @@ def gated_delta(opts):
     t, b = shapes[-1]
     args, kw = inputs(b, t, gdn_dims, dtype)
     variants = [({"block_v": 32}, ("fwd", "fwd_bwd")), ({"launch": {"scan": (8, 2)}}, ("fwd",)),
-                ({"launch": {"scan": (4, 1)}}, ("fwd", "fwd_bwd")),
-                ({"launch": {"scan": (4, 1), "dstate": (4, 1), "grads": (4, 1)}}, ("fwd_bwd",))]
+                ({"launch": {"scan": (8, 1)}}, ("fwd", "fwd_bwd")),
+                ({"launch": {"scan": (8, 1), "dstate": (8, 1), "grads": (8, 1)}}, ("fwd_bwd",))]
     for extra, passes in variants:
         time_gdn(args, kw, repeats, "kernel", lambda *a, extra=extra, **k: chunked_gated_delta_rule_kernel(
             *a, **extra, **k), passes=passes, variant=str(extra))
