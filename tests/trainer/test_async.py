@@ -3,6 +3,8 @@
 policy killed and resumed exactly, fully async with partial rollouts (K/V kept or recomputed) running and
 learning, and the one-step-off demo learning."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -260,11 +262,14 @@ def test_fully_async_with_rollout_correction_weighs_the_stale_samples(tmp_path):
 
 
 def test_fully_async_stopped_and_resumed_trains_exactly_as_uninterrupted(tmp_path, monkeypatch):
-    """The trainer-level resume of fully_async: its checkpoint at a sync point carries the queued groups, the rows
-    in flight (their tokens so far) and the prompts drawn but not submitted. A run that dies in step 3, once the
-    checkpoint of step 2 has committed, resumes and trains steps 3 and 4 exactly as an uninterrupted run (on
-    policy: staleness 0, so which groups a step takes does not depend on timing)."""
+    """The trainer-level resume of fully_async: its checkpoint at a sync point carries the queued groups, the groups
+    in flight and the prompts drawn but not submitted. A run that dies in step 3, once the checkpoint of step 2 has
+    committed, resumes and trains steps 3 and 4 exactly as an uninterrupted run (on policy: staleness 0, so which
+    groups a step takes does not depend on timing). The killed run's checkpoint waits until rows of the next batch
+    hold sampled tokens: they start again from their prompts on resume (a prefill of their tokens so far made CI's
+    step 3 differ once, entropy 2.761748 against 2.761695)."""
     from jaxrl_llm.trainer.loop import RLTrainer
+    from jaxrl_llm.trainer.rollouters.fully_async import FullyAsync
 
     params = (*FULLY, "train.save_freq=1")
 
@@ -272,7 +277,16 @@ def test_fully_async_stopped_and_resumed_trains_exactly_as_uninterrupted(tmp_pat
         return RLTrainer(runs.run_config(*params, steps=4, run_dir=str(tmp_path / name)))
 
     trainer("reference").fit()
-    step = RLTrainer.step
+    step, checkpoint = RLTrainer.step, FullyAsync.checkpoint
+
+    def with_tokens_in_flight(self, save):
+        deadline = time.monotonic() + 60
+        while self._version == 2 and time.monotonic() < deadline:
+            flight = self._stream.pause()
+            self._stream.resume()
+            if flight["metas"] and flight["lengths"].max() > 0:
+                break
+        checkpoint(self, save)
 
     def dies_in_step_3(self, k):
         if k == 2:
@@ -281,11 +295,13 @@ def test_fully_async_stopped_and_resumed_trains_exactly_as_uninterrupted(tmp_pat
         return step(self, k)
 
     monkeypatch.setattr(RLTrainer, "step", dies_in_step_3)
+    monkeypatch.setattr(FullyAsync, "checkpoint", with_tokens_in_flight)
     with pytest.raises(RuntimeError, match="killed in step 3"):
         trainer("killed").fit()
     monkeypatch.setattr(RLTrainer, "step", step)
+    monkeypatch.setattr(FullyAsync, "checkpoint", checkpoint)
     resumed = trainer("killed")
-    assert resumed.global_step == 2 and resumed.rollouter._saved is not None
+    assert resumed.global_step == 2 and resumed.rollouter._saved["in_flight"] is not None
     resumed.fit()
     reference, got = (runs.by_step(runs.metrics(tmp_path / d)) for d in ("reference", "killed"))
     assert sorted(got) == [1, 2, 3, 4]

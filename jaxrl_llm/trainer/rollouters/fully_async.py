@@ -9,8 +9,12 @@ at their next decode boundary (`partial_rollout`) or once the rows in flight are
 meanwhile. The update is the decoupled objective: the trainer's own log-probs as the proximal policy, the
 sampler's through algorithm.rollout_correction.
 
-A checkpoint is written at a sync point and carries the queued groups, the rows in flight (their tokens so far,
-prefilled again on resume) and the prompts drawn but not yet submitted.
+A checkpoint is written at a sync point and carries the queued groups, the groups in flight and the prompts drawn
+but not yet submitted. Without partial rollouts a sync drains the stream first, so every group in flight at a
+checkpoint was prefilled and sampled at the checkpoint's weights: on resume it starts again from its prompt, with
+its own seed and random streams, and samples exactly what it would have (a prefill of its tokens so far would not:
+that program's K/V differ from the decode's in the last bits, and a sampled token can flip). With partial rollouts a
+group's tokens may span versions, so it keeps its tokens so far, prefilled again on resume.
 """
 
 from __future__ import annotations
@@ -80,13 +84,13 @@ class FullyAsync:
                 self._queue.put(g)
             flight = s.get("in_flight")
             if flight is not None:
-                snap = unpack(flight["rows"])
+                snap = None if flight.get("rows") is None else unpack(flight["rows"])
                 metas = unpack_obj(flight["metas"])
                 for i, meta in enumerate(metas):
                     rows = slice(i * self.n, (i + 1) * self.n)
                     self._stream.submit([meta["prompt"]["prompt_ids"]], [meta], seed=self._seed(meta["batch"]),
                                         streams=[meta["index"] * self.n + j for j in range(self.n)],
-                                        partial={k: v[rows] for k, v in snap.items()})
+                                        partial=None if snap is None else {k: v[rows] for k, v in snap.items()})
         self._stop = False
         self._feeder = threading.Thread(target=self._feed, name="rollouter", daemon=True)
         self._feeder.start()
@@ -215,7 +219,9 @@ class FullyAsync:
                          "queued": pack_obj(list(self._queue.queue)),
                          "in_flight": None if not flight["metas"] else {
                              "metas": pack_obj(flight["metas"]),
-                             "rows": pack({k: flight[k] for k in ("tokens", "logprobs", "versions", "lengths")})}}
+                             # their tokens so far, where resuming must continue them (the module's docstring)
+                             "rows": None if not self.cfg.partial_rollout else pack(
+                                 {k: flight[k] for k in ("tokens", "logprobs", "versions", "lengths")})}}
                 save({"async": state})
             finally:
                 stream.resume()
