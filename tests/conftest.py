@@ -67,6 +67,15 @@ def pytest_unconfigure(config):
         shutil.rmtree(_CACHE, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray cluster of 2 CPUs for one test module (`pytestmark = pytest.mark.usefixtures("ray_local")`)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _free_compiled_programs():
     """Drops jit's in-memory caches after each test module. A full run compiles thousands of programs

@@ -11,13 +11,7 @@ from jaxrl_llm.rewards import RewardConfigError, RewardError, RewardManager, reg
 from tests.rewards.test_manager import FLAKY
 
 ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 def _gsm8k_batch(gsm8k_dir, n=200):

@@ -11,13 +11,7 @@ from jaxrl_llm.distributed import DistributedError
 from jaxrl_llm.trainer.processes.ray_driver import wait_all
 
 ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 @pytest.fixture
