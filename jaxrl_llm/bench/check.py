@@ -93,6 +93,15 @@ CONFIGS = (  # the order they run in: a multi-GPU machine's own step first, then
     # machine runs it in a call of its own (`--configs e2e_qwen3_5_9b_lora32 --budget_s 590`).
     Config("e2e_qwen3_5_9b_lora32", E2E + ("--train_presets", "qwen3_5_9b", "--lora_rank", "32"),
            (_step1("wall_s", "e2e_qwen3_5_9b_lora32_step_s"),), 580),
+    # The 9B's training passes alone (no engine: a third of the step's cold build), with the chunked gated delta
+    # kernel: the LoRA update and the fused log-prob passes at the seed's share (2026-11-28 on an H200: 176 s warm;
+    # cold, the update's compile ran past 245 s). Remat `auto` chooses by the device's memory, so each device kind
+    # records its own; outside the default list.
+    Config("train_qwen3_5_9b_lora32", ("--sections", "profile_update", "--train_presets", "qwen3_5_9b",
+                                       "--lora_rank", "32", "--remat", "auto", "--token_budget", "16384"),
+           (Figure("train_qwen3_5_9b_lora32_update_s", {"section": "update", "preset": "qwen3_5_9b"}, "seconds"),
+            Figure("train_qwen3_5_9b_lora32_log_prob_s", {"section": "log_prob_pass", "preset": "qwen3_5_9b"},
+                   "seconds")), 360),
     # MoE at the full share (issue 43): Qwen3-30B-A3B's LoRA step at 128 prompts x 5 on one H200 (the engine reads
     # the frozen experts in place). Cold it took 500 s in all (built in 141 s, step 0 301 s: 1,797 s of decode and
     # prefill compiles on threads), so it is not in the default list: a call of its own on an H200.
