@@ -27,7 +27,7 @@ from jaxrl_llm.algorithms import (
     get_policy_loss_fn,
     token_metric_mean,
 )
-from jaxrl_llm.models.lora import combine
+from jaxrl_llm.models.lora import combine, is_adapter, partition
 from jaxrl_llm.models.moe import load_balancing_loss
 
 
@@ -106,10 +106,15 @@ def make_logprob_fn(graphdef, *, temperature: float, chunk_size: int, with_entro
 
 
 def make_old_and_ref_fn(actor_graphdef, ref_graphdef, *, temperature: float, chunk_size: int,
-                        with_sum_pi_squared: bool = False, with_routing: bool = False):
+                        with_sum_pi_squared: bool = False, with_routing: bool = False, ref_in_actor: bool = False):
     """(actor_params, ref_params, mb) -> the old pass's outputs (`make_logprob_fn`'s, with the entropy) and
     "ref_log_prob" [S, Tr]: both models' forward passes over one micro-batch in one program, each the same
-    computation as its own pass."""
+    computation as its own pass.
+
+    `ref_in_actor` (LoRA, where the reference is the actor's frozen base): (actor_params, mb), the reference run on
+    the actor's leaves that are not adapters. The base is then one argument, not two: XLA sizes a program by its
+    arguments, so the same arrays passed twice counted twice (Qwen3.5-35B-A3B's 69.3 GB bf16 base as 138.9 GB of
+    inputs and outputs, past an H200's 138.1 GB, in XLA's scheduler)."""
 
     def fn(actor_params, ref_params, mb):
         out = token_logprobs(nnx.merge(actor_graphdef, actor_params), mb, temperature=temperature,
@@ -118,6 +123,8 @@ def make_old_and_ref_fn(actor_graphdef, ref_graphdef, *, temperature: float, chu
         ref = token_logprobs(nnx.merge(ref_graphdef, ref_params), mb, temperature=temperature, chunk_size=chunk_size)
         return {**out, "ref_log_prob": ref["log_prob"]}
 
+    if ref_in_actor:
+        return jax.jit(lambda actor_params, mb: fn(actor_params, partition(actor_params, is_adapter)[1], mb))
     return jax.jit(fn)
 
 

@@ -20,10 +20,25 @@ BOTH = ("train.driver='inprocess'", "actor.use_kl_loss=True", "actor.ppo_mini_ba
         "actor.lr_warmup_steps=0")
 
 
-def test_one_program_gives_the_two_passes(tmp_path):
-    trainer = RLTrainer(runs.run_config(*BOTH, run_dir=tmp_path / "run"))
+@pytest.mark.parametrize("lora", [False, True])
+def test_one_program_gives_the_two_passes(tmp_path, lora):
+    """Under LoRA the reference is the actor's frozen base: the fused program takes the actor's params alone, so
+    the base is one argument of its compiled form, not two."""
+    extra = ("model.lora_rank=4", "model.lora_alpha=8", "actor.lr=1e-2") if lora else ()
+    trainer = RLTrainer(runs.run_config(*BOTH, *extra, run_dir=tmp_path / "run"))
     w = trainer.worker
     assert trainer.needs_old and trainer.needs_ref and w.run.rollout.fuse_log_prob_passes
+    args = w.old_ref_params()
+    assert len(args) == (1 if lora else 2)
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(w.actor.reference()))
+    _, mb = next(iter(w._micro_batches(build_train_batch(
+        (p := next(trainer.iterator)), trainer.engine.generate([q["prompt_ids"] for q in p], trainer.sampling(0)),
+        trainer.run.data.max_response_length), (), w.fwd_ladder, "log_prob")))
+    with jax.set_mesh(w.mesh):
+        compiled = w.old_ref_fn.lower(*args, mb).compile()
+    argument_bytes = compiled.memory_analysis().argument_size_in_bytes  # the params and the micro-batch
+    assert (argument_bytes < 2 * base_bytes) if lora else (argument_bytes > 2 * base_bytes), (argument_bytes,
+                                                                                              base_bytes)
     prompts = next(trainer.iterator)
     batch = build_train_batch(prompts, trainer.engine.generate([p["prompt_ids"] for p in prompts], trainer.sampling(0)),
                               trainer.run.data.max_response_length)

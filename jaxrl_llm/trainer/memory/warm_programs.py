@@ -107,7 +107,8 @@ def forward_programs(w, pack: PackShape, fused: bool) -> list[Program]:
                             w.actor.base_sh) if offloaded and not w.actor.abstract else abstract(w.ref_params))
     ref_in = ref if offloaded else ()
     if fused:
-        out.append(Program("old + reference log-prob pass", w.old_ref_fn, (actor, ref, mb), (mb, ref_in), detail))
+        out.append(Program("old + reference log-prob pass", w.old_ref_fn, (*w.old_ref_params(actor, ref), mb),
+                           (mb, ref_in), detail))
     else:
         if w.needs_old_log_prob():
             out.append(Program("old log-prob pass", w.logprob_fn, (actor, mb), (mb,), detail))

@@ -144,6 +144,15 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         self.critic.state = state
 
     # ---- construction ----------------------------------------------------------------------------
+    def old_ref_params(self, actor=None, ref=None) -> tuple:
+        """The fused old and reference pass's params arguments: (actor, reference), or under LoRA the actor's alone
+        (its frozen base is the reference: `steps.make_old_and_ref_fn`'s `ref_in_actor`). `actor` and `ref` stand
+        for the live params (the memory check passes their shapes)."""
+        actor = self.actor.params() if actor is None else actor
+        if self.lora is not None:
+            return (actor,)
+        return actor, self._ref_on_device() if ref is None else ref
+
     def _ref_on_device(self):
         if not self.run.trainer.ref_offload or self.lora is not None:  # LoRA: the base itself, no copy
             return self.ref_params
@@ -182,7 +191,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         # memory check where it fits).
         self.old_ref_fn = steps.make_old_and_ref_fn(self.actor_gd, self.actor.base_graphdef, temperature=temp,
                                                     chunk_size=chunk, with_sum_pi_squared=self.with_sum_pi_squared,
-                                                    with_routing=self.record_routing)
+                                                    with_routing=self.record_routing, ref_in_actor=self.lora is not None)
         # Exactly on-policy (veRL's shortcut): the old-log-prob pass is skipped. Bypass mode uses the sampler's
         # log-probs as the old ones and never runs the pass either.
         why = exactly_on_policy(run, self.estimator, self.rc)
@@ -266,8 +275,7 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         if self.record_routing:
             old_names["routing"] = router_replay.FIELD
         if old and ref and self.run.rollout.fuse_log_prob_passes:
-            passes.append((self.old_ref_fn, (self.actor.params(), self._ref_on_device()),
-                           {**old_names, "ref_log_prob": "ref_log_prob"}))
+            passes.append((self.old_ref_fn, self.old_ref_params(), {**old_names, "ref_log_prob": "ref_log_prob"}))
         else:
             if old:
                 passes.append((self.logprob_fn, (self.actor.params(),), old_names))
