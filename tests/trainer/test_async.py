@@ -277,15 +277,26 @@ def test_fully_async_stopped_and_resumed_trains_exactly_as_uninterrupted(tmp_pat
         return RLTrainer(runs.run_config(*params, steps=4, run_dir=str(tmp_path / name)))
 
     trainer("reference").fit()
-    step, checkpoint = RLTrainer.step, FullyAsync.checkpoint
+    step, sync, checkpoint = RLTrainer.step, FullyAsync.sync, FullyAsync.checkpoint
 
-    def with_tokens_in_flight(self, save):
-        deadline = time.monotonic() + 60
-        while self._version == 2 and time.monotonic() < deadline:
-            flight = self._stream.pause()
-            self._stream.resume()
-            if flight["metas"] and flight["lengths"].max() > 0:
-                break
+    def holding_the_feeder(self, version, clock):  # after the sync to version 2, nothing is submitted until...
+        out = sync(self, version, clock)
+        if version == 2:
+            with self._cond:
+                self._syncing = True
+        return out
+
+    def with_tokens_in_flight(self, save):  # ...the checkpoint lets it go and waits for rows holding tokens
+        if self._version == 2:
+            with self._cond:
+                self._syncing = False
+                self._cond.notify_all()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                flight = self._stream.pause()
+                self._stream.resume()
+                if flight["metas"] and flight["lengths"].max() > 0:
+                    break
         checkpoint(self, save)
 
     def dies_in_step_3(self, k):
@@ -295,11 +306,11 @@ def test_fully_async_stopped_and_resumed_trains_exactly_as_uninterrupted(tmp_pat
         return step(self, k)
 
     monkeypatch.setattr(RLTrainer, "step", dies_in_step_3)
+    monkeypatch.setattr(FullyAsync, "sync", holding_the_feeder)
     monkeypatch.setattr(FullyAsync, "checkpoint", with_tokens_in_flight)
     with pytest.raises(RuntimeError, match="killed in step 3"):
         trainer("killed").fit()
-    monkeypatch.setattr(RLTrainer, "step", step)
-    monkeypatch.setattr(FullyAsync, "checkpoint", checkpoint)
+    monkeypatch.undo()
     resumed = trainer("killed")
     assert resumed.global_step == 2 and resumed.rollouter._saved["in_flight"] is not None
     resumed.fit()
