@@ -191,7 +191,8 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         # memory check where it fits).
         self.old_ref_fn = steps.make_old_and_ref_fn(self.actor_gd, self.actor.base_graphdef, temperature=temp,
                                                     chunk_size=chunk, with_sum_pi_squared=self.with_sum_pi_squared,
-                                                    with_routing=self.record_routing, ref_in_actor=self.lora is not None)
+                                                    with_routing=self.record_routing,
+                                                    ref_in_actor=self.lora is not None)
         # Exactly on-policy (veRL's shortcut): the old-log-prob pass is skipped. Bypass mode uses the sampler's
         # log-probs as the old ones and never runs the pass either.
         why = exactly_on_policy(run, self.estimator, self.rc)
