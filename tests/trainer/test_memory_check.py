@@ -16,8 +16,10 @@ from jaxrl_llm.trainer.roles.worker import TrainerWorker
 from tests.trainer import runs
 
 BIG = 10**12  # a limit every program fits
-# The tiny demo with a wider MLP (its saved activations show), one micro-batch row in the forward passes.
-WIDE = ("model.overrides={'vocab_size': 16, 'intermediate_size': 1024}", "rollout.log_prob_max_token_len_per_gpu=128")
+# The tiny demo with a wider MLP (its saved activations show), at the demo's update budget (4096 tokens: 32 rows of
+# 128), one micro-batch row in the forward passes.
+WIDE = ("model.overrides={'vocab_size': 16, 'intermediate_size': 1024}", "actor.ppo_max_token_len_per_gpu=4096",
+        "rollout.log_prob_max_token_len_per_gpu=128")
 
 
 def _build(r, c):

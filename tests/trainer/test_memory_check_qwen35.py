@@ -27,7 +27,8 @@ def _build(r, c):
 
 def _run(limit, *params):
     return runs.run_config("train.driver='inprocess'", f"train.device_memory_limit_bytes={limit}", *SPLIT,
-                           "rollout.log_prob_max_token_len_per_gpu=128", "model.remat='full'", *params)
+                           "actor.ppo_max_token_len_per_gpu=4096", "rollout.log_prob_max_token_len_per_gpu=128",
+                           "model.remat='full'", *params)
 
 
 def test_the_estimate_counts_the_hybrid_layers():
