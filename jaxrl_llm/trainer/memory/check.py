@@ -34,9 +34,9 @@ first step finds them.
 
 The engine's side, a protocol: an engine may define `memory_report() -> list[tuple[str, int]]`, for each
 of its programs the name and the bytes a device needs while it runs beyond the trainer's states: the
-engine's weights, its KV pool at the smallest size that serves one longest row of the run, and the
-program's XLA arguments, outputs and temporaries. An engine without it is not checked here (its own
-checks still run when it sizes the pool).
+engine's weights (less the buffers it shares with the trainer), its KV pool at the smallest size that serves
+one longest row of the run, and the program's XLA arguments, outputs and temporaries. An engine without it
+is not checked here (its own checks still run when it sizes the pool).
 """
 
 from __future__ import annotations
