@@ -9,7 +9,9 @@
 #   start   starts the run and its watcher in the background (the watcher kills it at KILL_AT, default random,
 #           and starts the same command again), then waits WAIT_S (default 540) printing progress
 #   wait    waits WAIT_S more, printing progress, until the second run ends
-#   check   the report ($OUT/soak_report.json) and the run's metrics files in $OUT
+#   check   the report ($OUT/soak_report.json), and the run's metrics, logs and plan in $OUT/soak_run.tgz
+# The watcher runs in a session of its own (setsid): the device tool ends a command's processes when it returns,
+# all but those, and empties $OUT before each command, so the runs log into RUN_DIR and `check` brings them back.
 #   all     start, wait until the end, check (a machine without a time limit per call)
 # Knobs: STEPS, SAVE_FREQ (20), KILL_AT, MAX_RESPONSE (256: a random model runs every row to its cap; the seed's
 # mean is 232), PRESET (qwen2p5_1p5b), PROMPTS (128), N (5), MINI (32), TOKEN_BUDGET (16384), RUN_DIR, DATA
@@ -39,6 +41,7 @@ progress() {  # until the second run has ended or $1 seconds have passed
   local t_end=$(( $(date +%s) + $1 ))
   while [ "$(date +%s)" -lt "$t_end" ]; do
     echo "[$(date +%H:%M:%S)] steps logged: $(steps_logged) of $STEPS; $(cat "$RUN_DIR/soak_state" 2>/dev/null)"
+    grep -hE "Error|Traceback" "$RUN_DIR"/soak_run*.log 2>/dev/null | tail -2 | cut -c1-300
     grep -q "^run2 ended" "$RUN_DIR/soak_state" 2>/dev/null && return 0
     sleep 30
   done
@@ -51,10 +54,10 @@ start() {
   local kill_at=${KILL_AT:-$(( SAVE_FREQ + 1 + RANDOM % (STEPS - SAVE_FREQ - 2) ))}
   [ $(( kill_at % SAVE_FREQ )) = 0 ] && kill_at=$(( kill_at + 1 ))  # not at a checkpoint: some steps are redone
   echo "kill_at=$kill_at steps=$STEPS save_freq=$SAVE_FREQ" | tee "$RUN_DIR/soak_plan"
-  nvidia-smi -L > "$OUT/gpus.txt" 2>/dev/null
+  nvidia-smi -L > "$RUN_DIR/gpus.txt" 2>/dev/null
   # The watcher: the run, a SIGKILL once kill_at steps are logged, then the same command again.
-  nohup bash -c '
-    "$@" > "'"$OUT"'/soak_run1.log" 2>&1 & pid=$!
+  setsid nohup bash -c '
+    "$@" > "'"$RUN_DIR"'/soak_run1.log" 2>&1 & pid=$!
     echo "run1 pid $pid" > "'"$RUN_DIR"'/soak_state"
     while kill -0 $pid 2>/dev/null; do
       if [ "$(cat "'"$RUN_DIR"'/metrics.jsonl" 2>/dev/null | wc -l)" -ge '"$kill_at"' ]; then
@@ -64,14 +67,15 @@ start() {
     done
     wait $pid; rc1=$?
     echo "run2 started (run1 rc $rc1)" > "'"$RUN_DIR"'/soak_state"
-    "$@" > "'"$OUT"'/soak_run2.log" 2>&1; rc2=$?
+    "$@" > "'"$RUN_DIR"'/soak_run2.log" 2>&1; rc2=$?
     echo "run2 ended rc $rc2" > "'"$RUN_DIR"'/soak_state"
   ' soak "${CMD[@]}" > "$RUN_DIR/watcher.log" 2>&1 &
   progress "${WAIT_S:-540}"
 }
 
 check() {
-  cp "$RUN_DIR"/metrics*.jsonl "$RUN_DIR/soak_plan" "$RUN_DIR/soak_state" "$OUT/" 2>/dev/null
+  (cd "$RUN_DIR" && tar -czf "$OUT/soak_run.tgz" metrics*.jsonl soak_plan soak_state soak_run*.log gpus.txt \
+    watcher.log 2>/dev/null)
   python3 -m jaxrl_llm.bench.soak "$RUN_DIR" --rtol "${RTOL:-0}" --out "$OUT/soak_report.json"
   echo "soak check rc=$?"
 }
