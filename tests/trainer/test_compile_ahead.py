@@ -1,5 +1,6 @@
 """With `train.compile_ahead`, the worker builds the update and log-prob passes at every shape of their ladders
-before the first step: a run whose later steps pack into shapes step 0 never used compiles nothing after it."""
+before the first step: a run whose later steps pack into shapes step 0 never used compiles nothing after it,
+synchronous or one step off policy."""
 
 import numpy as np
 
@@ -42,3 +43,44 @@ def test_later_steps_of_other_lengths_compile_nothing(tmp_path, monkeypatch):
     assert shapes[1] - shapes[0], shapes  # step 1 met shapes that step 0 did not compile
     assert metrics[1]["perf/compiles"] == 0
     assert all(0 < m["perf/pack_fill"] <= 1 for m in metrics)
+
+
+def test_one_step_off_compiles_nothing_after_step_0(tmp_path, monkeypatch):
+    """One step off policy (the rollout on a device of its own, a batch ahead on its thread): with the passes built
+    ahead and the sampler's programs warmed, later batches of other lengths compile nothing, on either side and in
+    the weight syncs between them (issue 40: the long-tail benchmark's async modes compiled after step 0)."""
+    from jaxrl_llm import compile_watch
+
+    trainer = RLTrainer(runs.run_config(*PARAMS, "async_training.mode='one_step_off'", "rollout.n_gpus_per_node=1",
+                                        "train.n_gpus_per_node=1", "train.save_freq=-1", run_dir=tmp_path / "run"))
+    trainer.engine.sampler.warm_programs = True
+    # Batch 0 samples 16 tokens a response, batch 1 (generated during step 0, trained at step 1) one, then 7.
+    caps, generate = iter([16, 1, 7, 7]), trainer.engine.sampler.generate
+
+    def capped(prompts, sampling, max_new_tokens_per_row=None, **kw):
+        lens = np.full(len(prompts) * sampling.n, next(caps))
+        return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens, **kw)
+
+    trainer.engine.sampler.generate = capped
+    shapes, plan = [], worker_module.plan_packing
+
+    def recorded(lengths, ladder, shards):
+        plans = plan(lengths, ladder, shards)
+        shapes[-1].update((ladder[0].rows, shape.rows) for shape, _ in plans)
+        return plans
+
+    monkeypatch.setattr(worker_module, "plan_packing", recorded)
+    rows, compiled = [], []
+    try:
+        for step in range(3):
+            shapes.append(set())
+            before = compile_watch.totals()["compiles"]
+            rows.append(trainer.step(step))
+            trainer.global_step = step + 1
+            compiled.append(compile_watch.totals()["compiles"] - before)
+    finally:
+        trainer.close()
+    assert rows[1]["fully_async/staleness/mean"] == 1  # step 1 trained on the batch generated during step 0
+    assert shapes[1] - shapes[0], shapes  # step 1 met shapes that step 0 did not compile
+    assert compiled[0] > 0 and compiled[1:] == [0, 0], compiled
+    assert [r["perf/compiles"] for r in rows[1:]] == [0, 0]
