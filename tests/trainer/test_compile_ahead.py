@@ -1,6 +1,6 @@
 """With `train.compile_ahead`, the worker builds the update and log-prob passes at every shape of their ladders
 before the first step: a run whose later steps pack into shapes step 0 never used compiles nothing after it,
-synchronous or one step off policy."""
+synchronous, one step off policy or fully async."""
 
 import numpy as np
 
@@ -84,3 +84,45 @@ def test_one_step_off_compiles_nothing_after_step_0(tmp_path, monkeypatch):
     assert shapes[1] - shapes[0], shapes  # step 1 met shapes that step 0 did not compile
     assert compiled[0] > 0 and compiled[1:] == [0, 0], compiled
     assert [r["perf/compiles"] for r in rows[1:]] == [0, 0]
+
+
+def test_fully_async_compiles_nothing_after_step_0(tmp_path, monkeypatch):
+    """Fully async (a stream on the rollout device, fed while the trainer trains): batch 0's rows run to 16 tokens,
+    every later batch's to 7, so later steps pack into other shapes; with the passes built ahead nothing compiles
+    after step 0, on either side or in the syncs."""
+    from jaxrl_llm import compile_watch
+    from jaxrl_llm.rollout import stream as stream_module
+
+    trainer = RLTrainer(runs.run_config(*PARAMS, "async_training.mode='fully_async'", "rollout.n_gpus_per_node=1",
+                                        "train.n_gpus_per_node=1", "actor.ppo_mini_batch_size=8",
+                                        "train.save_freq=-1", run_dir=tmp_path / "run"))
+    trainer.engine.sampler.warm_programs = True
+    sampling = trainer.sampling
+    monkeypatch.setattr(trainer, "sampling", lambda *a, **k: sampling(*a, **k).replace(ignore_eos=True))
+    submit = stream_module.RolloutStream.submit
+
+    def capped(self, prompts, metas, **kw):
+        caps = [16 if m["batch"] == 0 else 7 for m in metas for _ in range(self.n)]
+        return submit(self, prompts, metas, **{**kw, "max_new_tokens_per_row": caps})
+
+    monkeypatch.setattr(stream_module.RolloutStream, "submit", capped)
+    shapes, plan = [], worker_module.plan_packing
+
+    def recorded(lengths, ladder, shards):
+        plans = plan(lengths, ladder, shards)
+        shapes[-1].update((ladder[0].rows, shape.rows) for shape, _ in plans)
+        return plans
+
+    monkeypatch.setattr(worker_module, "plan_packing", recorded)
+    rows, compiled = [], []
+    try:
+        for step in range(3):
+            shapes.append(set())
+            before = compile_watch.totals()["compiles"]
+            rows.append(trainer.step(step))
+            trainer.global_step = step + 1
+            compiled.append(compile_watch.totals()["compiles"] - before)
+    finally:
+        trainer.close()
+    assert shapes[2] - shapes[0], shapes  # a later step met shapes that step 0 did not compile
+    assert compiled[0] > 0 and compiled[1:] == [0, 0], compiled
