@@ -161,9 +161,9 @@ class EngineMemory:
         """The largest programs a shard runs, each with the bytes a device needs while it runs (beyond the
         trainer's states), from XLA's compiled memory analysis: the engine's weights (less the experts it reads in
         place: the trainer's) and a KV pool that serves one longest row (`max_model_len`) are its inputs, plus its
-        new outputs and temporaries. The trainer's
-        memory check (trainer/memory/check.py) holds them against the device before the first step. Programs:
-        decode over the top slot bucket (`max_num_seqs`), the longest fresh prefill and the continuation one."""
+        new outputs and temporaries. The trainer's memory check (trainer/memory/check.py) holds them against the
+        device before the first step. Programs: decode over the top slot bucket (`max_num_seqs`), the longest fresh
+        prefill and the continuation one."""
         from jaxrl_llm.rollout import paged_decode
         from jaxrl_llm.rollout.base import SamplingParams
         from jaxrl_llm.rollout.ladders import Ladders, pow2
@@ -188,7 +188,7 @@ class EngineMemory:
         ]
         # Experts read in place (engine_weights.py) are the trainer's own buffers, held by it already (the check
         # counts them among its states): an input of every program here, but no memory of the engine's.
-        shared = sum(_device_bytes(x) for x in jax.tree.leaves(self.params.get("experts", {})))
+        shared = sum(_device_bytes(x) for x in jax.tree.leaves(base.params.get("experts", {})))
         out = []
         with jax.set_mesh(base.mesh):
             for label, name, packed, static in programs:
