@@ -137,6 +137,7 @@ def find(rows: list[dict], fig: Figure):
 
 
 OK, REGRESSION, ERROR, NOT_RUN, NO_BASELINE = "ok", "regression", "error", "not run", "no baseline"
+RECORDED = "recorded"  # measured where nothing was recorded, and written as the device's baseline (--record)
 EXIT_OK, EXIT_FAILED, EXIT_INCOMPLETE = 0, 1, 3
 
 
@@ -178,14 +179,16 @@ def status_of(row: dict) -> str:
 
 
 def verdict(results: list[dict]) -> tuple[int, dict[str, int]]:
-    """(exit code, rows by status): 0 every row ok; 1 a regression or an error; 3 none failed, but a row was not
-    run or had nothing to compare with (no pass either: a check with no rows is incomplete too)."""
+    """(exit code, rows by status): 0 every row ok or recorded as the baseline in its call; 1 a regression or an
+    error; 3 none failed, but a row was not run or had nothing to compare with (no pass either: a check with no rows
+    is incomplete too)."""
     counts: dict[str, int] = {}
     for row in results:
         counts[status_of(row)] = counts.get(status_of(row), 0) + 1
     if counts.get(REGRESSION) or counts.get(ERROR):
         return EXIT_FAILED, counts
-    return (EXIT_OK if results and counts.get(OK) == len(results) else EXIT_INCOMPLETE), counts
+    passed = counts.get(OK, 0) + counts.get(RECORDED, 0)
+    return (EXIT_OK if results and passed == len(results) else EXIT_INCOMPLETE), counts
 
 
 def run_config(cfg: Config, out_dir: str, timeout_s: float, compile_cache: str):
@@ -345,10 +348,10 @@ def named_commit(meta: dict) -> dict:
     return {**meta, "commit": found, "ran_as": meta.get("ran_as", meta["commit"])}
 
 
-def record(results: list[dict], device: str, baselines: dict, report: str, path: str = BASELINES,
+def record(results: list[dict], device: str, baselines: dict, report: str, path: str | None = None,
            meta: dict | None = None) -> list[str]:
     """Writes the figures measured here that have nothing recorded for `device`; returns their names. `meta` (the
-    report's) stamps each with its commit and date."""
+    report's) stamps each with its commit and date. The caller marks their rows `RECORDED` (`mark_recorded`)."""
     added = []
     for row in results:
         spec = baselines["figures"].get(row["config"])
@@ -359,9 +362,15 @@ def record(results: list[dict], device: str, baselines: dict, report: str, path:
         spec["recorded"][device] = {"value": round(row["figure"], 4), **stamp,
                                     "source": f"{os.path.relpath(report, REPO)} ({row['config']})"}
         added.append(row["config"])
-    with open(path, "w") as f:
+    with open(path or BASELINES, "w") as f:
         f.write(dump_baselines(baselines))
     return added
+
+
+def mark_recorded(results: list[dict], recorded: list[str]) -> list[dict]:
+    """The rows of the figures `record` wrote as passing, `RECORDED`: so the report says so, and a merge of it with
+    a later call's report still passes them (as "no baseline" it would exit 3)."""
+    return [{**r, "status": RECORDED, "ok": True} if r["config"] in recorded else r for r in results]
 
 
 def dump_baselines(baselines: dict) -> str:

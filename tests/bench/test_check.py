@@ -214,6 +214,27 @@ def test_a_device_with_nothing_recorded_is_no_baseline_and_no_pass(fake_gpu, tmp
     assert check.verdict([]) == (3, {})  # nothing checked is no pass either
 
 
+def test_a_figure_recorded_in_one_call_passes_a_merge_with_a_later_call(fake_gpu, tmp_path, monkeypatch):
+    """A --record call marks what it recorded "recorded" in its report. Merged with a later call's report the check
+    passes (the merge kept such a row "no baseline" and exited 3)."""
+    base = check.load_baselines()
+    base["figures"]["e2e_1p5b_step_s"]["recorded"].pop(H100)
+    monkeypatch.setattr(check, "load_baselines", lambda: json.loads(json.dumps(base)))
+    monkeypatch.setattr(check, "BASELINES", str(tmp_path / "baselines.json"))
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    main = gpu_check_main()
+    assert main(["--work_dir", str(tmp_path / "work"), "--configs", "e2e_1p5b", "--record"]) == 0
+    os.replace(tmp_path / "report.json", first)
+    (row,) = check.load_report(str(first))["results"]
+    assert row["status"] == "recorded" and row["ok"]
+    assert H100 in json.loads((tmp_path / "baselines.json").read_text())["figures"]["e2e_1p5b_step_s"]["recorded"]
+    assert main(["--work_dir", str(tmp_path / "work"), "--configs", "moe_update"]) == 0
+    os.replace(tmp_path / "report.json", second)
+    assert main(["--merge", str(first), str(second)]) == 0
+    statuses = {r["config"]: r["status"] for r in check.load_report(str(tmp_path / "report.json"))["results"]}
+    assert statuses == {"e2e_1p5b_step_s": "recorded", "moe_update_3_layers_s": "ok"}, statuses
+
+
 def test_gpu_check_copies_its_report_to_out_dir_only_when_asked(fake_gpu, tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "env_out"))  # the lent machine's variable means nothing here
     (tmp_path / "env_out").mkdir()
