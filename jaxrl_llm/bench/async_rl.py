@@ -126,7 +126,7 @@ def _run_config(opts, preset: str, mode: str, n_dev: int, rollout: int):
                    max_batch=4096 * n_dev, fsdp=n_dev if mode == "sync" else -1,
                    # the run's own length: one_step_off generates no batch past its last step, so a shorter run
                    # would turn the steps after it synchronous (generate, then train)
-                   total_steps=opts.steps)
+                   total_steps=opts.steps, ignore_eos=True)
     run = dataclasses.replace(run, actor=dataclasses.replace(run.actor, loss_agg_mode="token-mean",
                                                              clip_ratio_high=0.28))
     if opts.small:  # the CPU check on the demo's task and vocabulary (gin/grpo_tiny.gin): Qwen2's 151,936 ids made the

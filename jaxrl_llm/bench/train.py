@@ -162,6 +162,7 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
                        run_dir=tempfile.mkdtemp(), fsdp=fsdp, tensor=tensor,
                        max_batch=4096 * n_dev, decode_attention=decode_attention, kv_cache=kv_cache,
                        lora_rank=lora_rank, lora_alpha=lora_alpha, base_quantization=base_quantization,
+                       ignore_eos=True,  # rows run to the seed's drawn lengths (`capped`), as built ahead
                        **(lever_settings or {}))
         t_init, before = time.perf_counter(), compile_watch.totals()
         with CompileSeconds() as building:  # where a cold build goes (the 9B's took 259 s on an H100)
@@ -180,7 +181,7 @@ def e2e(presets, small: bool, steps: int = 3, fsdp: int = -1, tensor: int = 1, r
             lens = seed_response_lengths(len(prompts) * sampling.n, seed=next(draws))
             if max_new_tokens_per_row is not None:  # the worker's own per-row caps (agent turns) still bind
                 lens = np.minimum(lens, max_new_tokens_per_row)
-            return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens, **kw)
+            return generate(prompts, sampling, max_new_tokens_per_row=lens, **kw)
 
         engine.generate = capped
 

@@ -136,7 +136,7 @@ def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat
              max_response: int = 1024, max_prompt: int = 512, small: bool = False, run_dir: str = "/tmp/bench_run",
              max_batch: int = 4096, decode_attention: str = "auto", kv_cache: str = "paged", lora_rank: int = 0,
              lora_alpha: float = 64.0, base_quantization: str = "none", total_steps: int = 3, tail_shapes: int = 4,
-             fuse_log_prob_passes: bool = True, compile_ahead: bool | None = None):
+             fuse_log_prob_passes: bool = True, compile_ahead: bool | None = None, ignore_eos: bool = False):
     from jaxrl_llm.models.config import PRESETS
     from jaxrl_llm.trainer import config as C
 
@@ -154,7 +154,7 @@ def make_run(preset: str, *, prompts: int, n: int, mini: int, budget: int, remat
         data=C.DataConfig(source="files", train_files=(gsm8k_test_file(),),
                           train_batch_size=prompts, max_prompt_length=max_prompt, max_response_length=max_response),
         rollout=C.RolloutConfig(n=n, temperature=1.0, max_batch_size=max_batch, decode_attention=decode_attention,
-                                kv_cache=kv_cache, fuse_log_prob_passes=fuse_log_prob_passes),
+                                kv_cache=kv_cache, fuse_log_prob_passes=fuse_log_prob_passes, ignore_eos=ignore_eos),
         actor=C.ActorConfig(lr=1e-5 if lora_rank else 1e-6, ppo_mini_batch_size=mini,
                             ppo_max_token_len_per_gpu=budget, use_kl_loss=True,
                             kl_loss_coef=0.001, kl_loss_type="low_var_kl", tail_shapes=tail_shapes),

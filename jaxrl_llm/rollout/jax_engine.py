@@ -344,9 +344,25 @@ class JaxEngine(EngineMemory, EngineWeights):
         not part of their key."""
         return dataclasses.replace(self._request_spec(prompts, sampling, row_max), max_new_tokens=0)
 
-    def prepare(self, spec, rows: int, longest: int, prompt_len: int, max_new: int):
+    def warm(self, sampling: SamplingParams, rows: int) -> None:
+        """Builds, before any call, every program that a call of `rows` rows sampled with `sampling` reaches, as
+        that call's `prepare` would (the block tables at `max_model_len`, the pool sized, the ladders' programs on
+        threads) but allocating nothing: the call then compiles none. The trainer calls it while its worker
+        compiles the step's programs on threads of their own (trainer/roles/host.py). Nothing where
+        `warm_programs` is off."""
+        if not self.warm_programs:
+            return
+        prompts = [[self.pad_id]] * max(1, rows // max(1, sampling.n))
+        spec = self.paged_spec(prompts, sampling, None)  # the checks and the spec of the call to come
+        max_new = sampling.max_new_tokens
+        longest = (self.max_model_len or self.max_prompt_length + max_new) - 1
+        t0 = time.perf_counter()
+        self.prepare(spec, rows, longest, min(self.max_prompt_length, longest), max_new, allocate=False)
+        log.info("paged engine: programs for calls of %d rows built ahead in %.1f s", rows, time.perf_counter() - t0)
+
+    def prepare(self, spec, rows: int, longest: int, prompt_len: int, max_new: int, *, allocate: bool = True):
         """Before any work: the table width and the pools' size (refusing what cannot fit), the programs built,
-        each local shard's pool allocated. Returns the pools' budget."""
+        each local shard's pool allocated (unless not `allocate`: `warm`). Returns the pools' budget."""
         self._fix_width(longest)
         for attempt in range(3):
             with jax.set_mesh(self.mesh):
@@ -366,7 +382,7 @@ class JaxEngine(EngineMemory, EngineWeights):
             self._budget = None
             self.release()
         for s in self.local_shards:
-            if s.pool is None:
+            if allocate and s.pool is None:
                 s.alloc(budget.num_pages, spec, budget.state_slots)
         return budget
 
@@ -497,4 +513,5 @@ def make_jax_engine(cfg: Qwen2Config, params, mesh: Mesh | None, *, rollout, max
                      gpu_memory_utilization=rollout.gpu_memory_utilization,
                      kv_cache_memory_bytes=rollout.kv_cache_memory_bytes, free_cache_engine=rollout.free_cache_engine,
                      decode_attention=rollout.decode_attention,
-                     linear_state_dtype=rollout.linear_state_dtype, state_update=rollout.state_update)
+                     linear_state_dtype=rollout.linear_state_dtype, state_update=rollout.state_update,
+                     warm_programs="auto" if rollout.warm_programs is None else rollout.warm_programs)

@@ -40,6 +40,7 @@ from jaxrl_llm.trainer.config import ConfigValueError, RunConfig
 from jaxrl_llm.trainer.data_setup import build_datasets, load_tokenizer
 from jaxrl_llm.trainer.dynamic_sampling import ScoredDraw, draw_seed, extra_info_fields
 from jaxrl_llm.trainer.loggers import MetricsLogger
+from jaxrl_llm.trainer.roles.engines import training_sampling
 from jaxrl_llm.trainer.roles.host import make_roles
 from jaxrl_llm.trainer.roles.model_load import lora_meta, lora_spec
 from jaxrl_llm.trainer.rollout_batch import Rollout, build_train_batch, response_items
@@ -187,9 +188,7 @@ class RLTrainer:
         if validate:
             return SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p, top_k=r.val_top_k,
                                   max_new_tokens=d.max_response_length, seed=d.seed)
-        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=d.max_response_length, seed=draw_seed(d.seed, step, draw),
-                              return_routed_experts=self.run.router_replay.mode == "R3")
+        return training_sampling(self.run, draw_seed(d.seed, step, draw))
 
     def rollout(self, prompts: list[dict], step: int, draw: int, timer) -> Rollout:
         """Samples `n` responses a prompt; for REMAX also one greedy response a prompt (`timing_s/gen_max`)."""

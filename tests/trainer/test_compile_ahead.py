@@ -1,6 +1,6 @@
 """With `train.compile_ahead`, the worker builds the update and log-prob passes at every shape of their ladders
-before the first step: a run whose later steps pack into shapes step 0 never used compiles nothing after it,
-synchronous, one step off policy or fully async."""
+before the first step, and the engine its programs for the run's rollouts beside them: a run whose later steps
+pack into shapes step 0 never used compiles nothing after it, synchronous, one step off policy or fully async."""
 
 import numpy as np
 
@@ -14,14 +14,14 @@ from tests.trainer import runs
 # mini-batches a step, so the old-log-prob pass runs; responses up to 16 tokens.
 PARAMS = ("train.driver='inprocess'", "train.compile_ahead=True", "actor.tail_shapes=3", "actor.pack_length=32",
           "data.max_response_length=16", "actor.ppo_max_token_len_per_gpu=96",
-          "rollout.log_prob_max_token_len_per_gpu=192", "actor.ppo_mini_batch_size=4")
+          "rollout.log_prob_max_token_len_per_gpu=192", "actor.ppo_mini_batch_size=4",
+          # the sampler's programs built ahead too (its own default on a GPU), for rows run to their caps
+          "rollout.warm_programs=True", "rollout.ignore_eos=True")
 SPLIT = ("rollout.n_gpus_per_node=1", "train.n_gpus_per_node=1", "train.save_freq=-1")
 
 
 def _trainer(tmp_path, *params) -> RLTrainer:
-    trainer = RLTrainer(runs.run_config(*PARAMS, *params, run_dir=tmp_path / "run"))
-    trainer.engine.sampler.warm_programs = True  # the sampler's programs built ahead too (its own default on a GPU)
-    return trainer
+    return RLTrainer(runs.run_config(*PARAMS, *params, run_dir=tmp_path / "run"))
 
 
 def _cap_generate(trainer, caps) -> None:
@@ -30,7 +30,7 @@ def _cap_generate(trainer, caps) -> None:
 
     def capped(prompts, sampling, max_new_tokens_per_row=None, **kw):
         lens = np.full(len(prompts) * sampling.n, next(caps))
-        return generate(prompts, sampling.replace(ignore_eos=True), max_new_tokens_per_row=lens, **kw)
+        return generate(prompts, sampling, max_new_tokens_per_row=lens, **kw)
 
     trainer.engine.sampler.generate = capped
 
@@ -69,12 +69,15 @@ def test_later_steps_of_other_lengths_compile_nothing(tmp_path, monkeypatch):
     assert [s.rows for s in w.pack_ladder] == [3, 2, 1] and [s.rows for s in w.fwd_ladder] == [6, 3, 2]
     _cap_generate(trainer, [16, 1])  # step 0 samples 16 tokens a response (the sampler builds its programs), step 1 one
     shapes = _record_shapes(monkeypatch)
-    metrics = []
+    metrics, engine_compiled = [], []
     for step in range(2):
         shapes.append(set())
         metrics.append(trainer.train_step(next(trainer.iterator), step))
+        engine_compiled.append(trainer.engine.stats()["programs_compiled"])
     assert shapes[1] - shapes[0], shapes  # step 1 met shapes that step 0 did not compile
     assert metrics[1]["perf/compiles"] == 0
+    # The engine built its programs with the trainer's (before, step 0's rollout compiled them: 8 programs)
+    assert engine_compiled == [0, 0], engine_compiled
     assert all(0 < m["perf/pack_fill"] <= 1 for m in metrics)
 
 

@@ -22,6 +22,7 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature of the training rollouts
     top_p: float = 1.0  # nucleus sampling (1.0: off)
     top_k: int = -1  # top-k sampling (-1: off)
+    ignore_eos: bool = False  # sample past the end-of-sequence token, each row to its token cap (benchmarks)
     # The JAX engine's KV memory: "paged" (a page pool under a budget, continuous batching; the default)
     # or "dense" (per-row caches; the baseline it is measured against)
     kv_cache: str = "paged"
@@ -50,6 +51,10 @@ class RolloutConfig:
     # slot in the pool's buffer: half the state traffic; the 9B's generation 34.8 -> 16.6 s on an H100) or "scatter"
     # (the rows' states, then XLA's scatter into their slots)
     state_update: str = "in_place"
+    # The JAX engine builds every program of its ladders before its first call (decode at each slot bucket, the
+    # prefill and copy ladders; under train.compile_ahead while the worker compiles its own, so step 0 compiles
+    # none): None is on where the devices are accelerators, off on a CPU
+    warm_programs: bool | None = None
     val_temperature: float = 0.0  # validation is greedy (mean@1) unless val_n > 1
     val_n: int = 1  # responses a validation prompt (veRL's val_kwargs.n): mean@N, best@N, pass@k
     val_top_p: float = 1.0  # validation's top_p (veRL's val_kwargs.top_p)

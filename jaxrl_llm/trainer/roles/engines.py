@@ -23,7 +23,7 @@ import jax
 
 from jaxrl_llm import distributed
 from jaxrl_llm.agent.config import engine_prompt_length
-from jaxrl_llm.rollout import RolloutError, make_jax_engine
+from jaxrl_llm.rollout import RolloutError, SamplingParams, make_jax_engine
 from jaxrl_llm.rollout.stream import RolloutStream
 from jaxrl_llm.rollout.weight_sync import WeightSync
 from jaxrl_llm.trainer.processes.placement import rollout_mesh
@@ -33,7 +33,15 @@ if TYPE_CHECKING:
     from jaxrl_llm.trainer.roles.worker import TrainerWorker
 
 
-class _JaxEngineRole:
+def training_sampling(run, seed: int) -> SamplingParams:
+    """How the trainer samples its training rollouts (`seed`: the draw's own)."""
+    r = run.rollout
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=run.data.max_response_length, seed=seed, ignore_eos=r.ignore_eos,
+                          return_routed_experts=run.router_replay.mode == "R3")
+
+
+class JaxEngineRole:
     """What both JAX engine roles in this process share: `sampler` is the JAX engine, `actor` the worker's."""
 
     def __init__(self, sampler, actor):
@@ -47,6 +55,13 @@ class _JaxEngineRole:
             raise RolloutError("the JAX engine generates on every process of a run together; a call from process 0 "
                                "alone (multi-turn rollouts) needs rollout.engine = 'vllm'")
         return self.generate(prompts, sampling, max_new_tokens_per_row, seeds)
+
+    def warm(self, run) -> None:
+        """Builds the programs of the run's training rollouts (data.train_batch_size prompts x rollout.n rows a
+        call) before the first (`JaxEngine.warm`); the dense engine builds as it goes."""
+        warm = getattr(self.sampler, "warm", None)
+        if warm is not None:
+            warm(training_sampling(run, seed=0), run.data.train_batch_size * run.rollout.n)
 
     def start(self, version: int) -> None:
         if version:  # restored: the engine was built with the starting weights (step 0's); the restored ones go in
@@ -63,7 +78,7 @@ class _JaxEngineRole:
         return getattr(self.sampler, "last_stats", None) or {}  # (the dense engine keeps none)
 
 
-class ColocatedEngine(_JaxEngineRole):
+class ColocatedEngine(JaxEngineRole):
     """The JAX engine on the training mesh, reading the actor's weights in place."""
 
     def __init__(self, sampler, actor, *, free_cache: bool):
@@ -85,7 +100,7 @@ class ColocatedEngine(_JaxEngineRole):
         pass  # its pools went after its last rollout; its weights are views the trainer's arrays outlive
 
 
-class SplitEngine(_JaxEngineRole):
+class SplitEngine(JaxEngineRole):
     """The JAX engine on the rollout's own devices; weights cross by `weight_sync`."""
 
     def __init__(self, sampler, actor, weight_sync: WeightSync):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from jaxrl_llm import distributed
 from jaxrl_llm.ray_cluster import init_ray
 from jaxrl_llm.trainer.config import RunConfig
-from jaxrl_llm.trainer.roles.engines import make_engine
+from jaxrl_llm.trainer.roles.engines import JaxEngineRole, make_engine
 from jaxrl_llm.trainer.roles.handles import RayTransport, dispatch, proxy
 from jaxrl_llm.trainer.roles.pool import PoolEngine
 from jaxrl_llm.trainer.roles.protocols import EngineRole, WorkerRole
@@ -29,8 +29,10 @@ class RoleHost:
     def __init__(self, run: RunConfig, *, total_steps: int):
         self.worker = TrainerWorker(run, total_steps=total_steps)  # its programs compile ahead while ...
         self.engine = None
-        if run.rollout.engine == "jax":  # ... the engine is built beside it
+        if run.rollout.engine == "jax":  # ... the engine is built beside it, and builds its own programs
             self.engine = make_engine(self.worker)
+            if self.worker.compiles_ahead and isinstance(self.engine, JaxEngineRole):
+                self.engine.warm(run)
         self.worker.finish_compile_ahead()
 
     def serve(self, role: str, method: str, args: tuple, kwargs: dict):

@@ -117,6 +117,12 @@ class TrainerWorker(WorkerCheckpoints, WorkerWeights):
         if not abstract and (jax.devices()[0].platform != "cpu" if ahead is None else ahead):
             self._warm = CompileAhead(self)  # on threads, while the engine is built beside the worker (roles/host.py)
 
+    @property
+    def compiles_ahead(self) -> bool:
+        """Whether the step's programs are compiling on threads now (`train.compile_ahead`), until
+        `finish_compile_ahead`."""
+        return self._warm is not None
+
     def finish_compile_ahead(self) -> None:
         """Waits for the programs `train.compile_ahead` compiles on threads while the worker's process builds the
         rest of its roles."""
