@@ -6,7 +6,10 @@
 #   gen       generation at the seed's per-GPU share (128 prompts x 5, GSM8K lengths), Qwen3.5-9B then
 #             Qwen2.5-7B, paged engine, one measured repeat each (PRESETS overrides)
 #   e2e       the GRPO step at the seed's share with LoRA r32, Qwen3.5-9B then Qwen2.5-7B (PRESETS overrides)
-#   moe       the LoRA step of Qwen3.5-35B-A3B and Qwen3-30B-A3B at 128 prompts x 5 (an H200)
+#   moe       the LoRA step of Qwen3.5-35B-A3B and Qwen3-30B-A3B at 128 prompts x 5 (an H200). The 35B's cold run
+#             takes more than one call (its build alone passed 578 s at bf711fe, 2026-12-02): PRESETS=qwen3_5_35b_a3b
+#             T_E2E=578 twice, the second call at once after the first (a machine stays lent 30 s), so that it
+#             finds the first's compilation cache ($XLA_CACHE under /tmp) on the same machine
 #   gdn       the chunked kernel's tokens/s against the attention layers' (bench section gated_delta)
 #   train9b   (not in the defaults; about 570 s) the kernel's launch variants at 4096x4, then the 9B's LoRA r32 update
 #             and log-prob passes at the seed's share with the chunked kernel (JAXRL_GDN_KERNEL=1) and in XLA's form
