@@ -20,6 +20,7 @@ from jaxrl_llm.rollout import (
     JaxEngine,
     RolloutError,
     SamplingParams,
+    engine_build,
     jax_engine,
     page_pool,
     paged_decode,
@@ -331,7 +332,7 @@ def test_a_new_engine_loads_its_programs_from_disk(model, unbounded, reference, 
     own. The store is off on the CPU by default: XLA:CPU cannot always run an executable loaded back ("Function
     ... not found"), so running loaded programs is checked on GPUs (BENCHMARKS.md, the warm-cache runs)."""
     assert programs.default_dir() is None
-    monkeypatch.setattr(jax_engine, "default_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(engine_build, "default_dir", lambda: str(tmp_path))
     programs.forget_held()
     first = paged(model)
     out = first.generate(PROMPTS, SAMPLED)
