@@ -20,9 +20,8 @@ Per `generate` call:
 * **Programs** (rollout/ladders.py, rollout/programs.py, rollout/engine_build.py): decode segments of up to
   `max_segment` steps over a slot bucket and a block table of fixed width (`max_model_len`), prefill chunks and
   copies (of a model with state slots, a ladder of widths: a round's state forks move about what they copy) from
-  fixed ladders. They
-  are built ahead in parallel before the first call, once for the first shard, and loaded onto every other
-  shard's devices; nothing compiles at a later call. `last_stats` counts what a call compiled.
+  fixed ladders. They are built ahead in parallel before the first call, once for the first shard, and loaded
+  onto every other shard's devices; nothing compiles at a later call. `last_stats` counts what a call compiled.
 
 Greedy tokens and log-probs equal the dense engine's (rollout/dense_engine.py) and transformers'. Random draws
 too: row r's token t is drawn from fold_in(fold_in(key(seed), r), t) in both engines, whatever shard, batch or
