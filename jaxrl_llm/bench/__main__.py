@@ -38,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--append", default=None, help="also append the markdown tables to this file")
     ap.add_argument("--xla_gpu_overlap", action="store_true",
                     help="XLA's collective-overlap options on a GPU (train.xla_gpu_overlap: jaxrl_llm/xla_flags.py)")
+    ap.add_argument("--log_level", default="INFO", help="the log's level (INFO shows where a build's time goes: the "
+                    "memory check, the programs compiled ahead on both sides)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # run here, whatever the sections
     for flag, (_, kw) in OPTIONS.items():
         ap.add_argument(flag, **({} if kw.get("action") == "store_true" else {"default": None}), **kw)
@@ -166,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         from jaxrl_llm.xla_flags import apply_gpu_overlap
 
         apply_gpu_overlap(True)
+    from jaxrl_llm.trainer.processes.process import setup_logging
+
+    setup_logging(opts.log_level)
     if opts.child or (all(s.in_process for s in secs) and len({s.mem_fraction for s in secs}) == 1):
         run_here(secs, opts)
     else:
