@@ -128,10 +128,9 @@ class EngineBuild:
         threads) but allocating nothing: the call then compiles none. The trainer calls it while its worker
         compiles the step's programs on threads of their own (trainer/roles/host.py). Nothing where
         `warm_programs` is off."""
-        if not self.warm_programs:
+        if not self.warm_programs or self.params is None:
             return
-        prompts = [[self.pad_id]] * max(1, rows // max(1, sampling.n))
-        spec = self.paged_spec(prompts, sampling, None)  # the checks and the spec of the call to come
+        spec = self.call_spec(sampling)
         max_new = sampling.max_new_tokens
         longest = (self.max_model_len or self.max_prompt_length + max_new) - 1
         t0 = time.perf_counter()

@@ -176,7 +176,7 @@ class EngineMemory:
         lad = Ladders(width=pow2(pages_for(model_len, self.page_size)), page_size=self.page_size,
                       num_heads=self.cfg.num_attention_heads, max_batched_tokens=self.max_num_batched_tokens,
                       max_prompt=self.max_prompt_length, slot_cap=self.max_num_seqs, max_rows=self.prefill_row_cap())
-        spec = dataclasses.replace(self._spec(SamplingParams(), self.decode_attention), max_new_tokens=0)
+        spec = self.call_spec(SamplingParams())
         pool = self.abstract_pool(spec, pages_for(model_len, self.page_size) + 1, self.max_num_seqs + 2, base)
         fresh, cont = lad.fresh_lengths(self.max_prompt_length)[-1], lad.cont_lengths[-1]
         programs = [

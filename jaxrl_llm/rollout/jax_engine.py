@@ -246,9 +246,14 @@ class JaxEngine(EngineBuild, EngineMemory, EngineWeights):
         return self._result(rows, store, len(prompts), n, spec)
 
     def paged_spec(self, prompts, sampling: SamplingParams, row_max: np.ndarray):
-        """The request's decode spec, checked before any work; the rows' budgets are an input of the programs,
-        not part of their key."""
-        return dataclasses.replace(self._request_spec(prompts, sampling, row_max), max_new_tokens=0)
+        """The request's decode spec (`call_spec`), checked before any work."""
+        self._request_spec(prompts, sampling, row_max)
+        return self.call_spec(sampling)
+
+    def call_spec(self, sampling: SamplingParams):
+        """The decode spec that keys a call's programs: the rows' budgets are an input of the programs, not part
+        of their key."""
+        return dataclasses.replace(self._spec(sampling, self.decode_attention), max_new_tokens=0)
 
     def run_shards(self, dealer: Dealer, spec, hooks=None) -> list[dict]:
         """Runs every local shard to the end, each on its own thread; the first failure stops the others."""
