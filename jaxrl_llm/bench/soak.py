@@ -15,6 +15,10 @@ checks leave out each process's first WARMUP steps. The checks, each "ok", "fail
                 uninterrupted run) has the same metrics, time and machine figures left out, within `rtol`
                 (0: bit for bit, as on a CPU; a GPU's reductions may need a little)
 
+Beside the checks, `checkpoints` lists each save of the final run: the step's wait for it
+(timing_s/save_checkpoint: the device-to-host copy; the disk write is Orbax's thread) and the disk the committed ones
+took then (perf/checkpoint_*), so a first save that pays for the host buffers shows against the later ones.
+
 Exit 0 when every check is ok, 1 when one failed, 3 when none failed but one had no data.
 """
 
@@ -109,6 +113,14 @@ def equal(a: dict[int, dict], b: dict[int, dict], rtol: float) -> dict:
             "exact": sum(v == 0 for v in worst.values()), "differ": dict(list(differ.items())[:20])}
 
 
+def checkpoints(final: dict[int, dict]) -> list[dict]:
+    """Each saving step's wait and the disk its checkpointer reported, in step order."""
+    keys = {"timing_s/save_checkpoint": "wait_s", "perf/checkpoint_last_gb": "last_gb",
+            "perf/checkpoint_kept_gb": "kept_gb", "perf/checkpoint_kept": "kept", "perf/disk_free_gb": "free_gb"}
+    return [{"step": s, **{short: final[s][k] for k, short in keys.items() if k in final[s]}}
+            for s in sorted(final) if "timing_s/save_checkpoint" in final[s]]
+
+
 def check(run_dir: str, *, reference: str | None = None, rtol: float = 0.0, memory_tol: float = 0.02,
           throughput_tol: float = 0.05) -> dict:
     """The report of a soaked run (see the module docstring): {check: {status, ...}}, plus `restarts`."""
@@ -128,7 +140,7 @@ def check(run_dir: str, *, reference: str | None = None, rtol: float = 0.0, memo
     return {"steps": sorted(final), "restarts": starts[1:],
             "peak_memory": flat(final, "perf/max_memory_allocated_gb", steady, memory_tol),
             "throughput": flat(final, "perf/throughput", steady, throughput_tol),
-            "compiles": compiles(final, starts), "resumed_equal": twice}
+            "compiles": compiles(final, starts), "resumed_equal": twice, "checkpoints": checkpoints(final)}
 
 
 def exit_code(report: dict) -> int:

@@ -16,6 +16,8 @@ def write_run(d, *, memory=None, throughput=None, compiles=None, killed_loss=Non
         r = {"step": s, "actor/pg_loss": 0.1 * s, "critic/score/mean": 0.01 * s, "perf/throughput": 1000.0 + s % 2,
              "perf/max_memory_allocated_gb": 60.0 if s not in (1, 7) else 40.0,
              "perf/compiles": 9.0 if s in (1, 7) else 0.0, "timing_s/step": 10.0 + s}
+        if s % 3 == 0:  # a checkpoint every 3 steps: the first save waits longest
+            r.update({"timing_s/save_checkpoint": 8.0 if s == 3 else 2.0, "perf/checkpoint_kept": float(s > 3)})
         for key, change in (("perf/max_memory_allocated_gb", memory), ("perf/throughput", throughput),
                             ("perf/compiles", compiles)):
             if change and s in change:
@@ -39,6 +41,8 @@ def test_a_flat_run_resumed_exactly_passes(tmp_path, capsys):
     assert {k: report[k]["status"] for k in ("peak_memory", "throughput", "compiles", "resumed_equal")} == \
         dict.fromkeys(("peak_memory", "throughput", "compiles", "resumed_equal"), "ok")
     assert report["throughput"]["steps"] == 8  # 3-6 and 9-12: each process's first 2 steps left out
+    assert [(c["step"], c["wait_s"]) for c in report["checkpoints"]] == [(3, 8.0), (6, 2.0), (9, 2.0), (12, 2.0)]
+    assert report["checkpoints"][0] == {"step": 3, "wait_s": 8.0, "kept": 0.0}
     assert soak.main([d, "--out", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["compiles"]["status"] == "ok"
 
