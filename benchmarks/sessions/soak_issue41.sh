@@ -13,6 +13,8 @@
 # The watcher runs in a session of its own (setsid): the device tool ends a command's processes when it returns,
 # all but those, and empties $OUT before each command, so the runs log into RUN_DIR and `check` brings them back.
 #   all     start, wait until the end, check (a machine without a time limit per call)
+#   d2h     (after check, where device time is left; about 60 s) benchmarks/diag/d2h_copy.py on D2H_GB (16) of
+#           leaves: where the checkpoint's device-to-host copy goes (pinned twice, pageable, serial)
 # Knobs: STEPS, SAVE_FREQ (20), KILL_AT, MAX_RESPONSE (256: a random model runs every row to its cap; the seed's
 # mean is 232), PRESET (qwen2p5_1p5b), PROMPTS (128), N (5), MINI (32), TOKEN_BUDGET (16384), RUN_DIR, DATA
 # (.bench_data), EXTRA_GIN (more bindings, space-separated).
@@ -80,10 +82,12 @@ check() {
   echo "soak check rc=$?"
 }
 
-case "${1:?phase: start, wait, check or all}" in
+case "${1:?phase: start, wait, check, all or d2h}" in
   start) start ;;
   wait) progress "${WAIT_S:-540}" ;;
   check) check ;;
   all) WAIT_S=100000 start; check ;;
+  d2h) timeout 150 python3 benchmarks/diag/d2h_copy.py "${D2H_GB:-16}" > "$OUT/d2h.log" 2>&1; echo "rc=$?"
+       grep -vE "^(W|I)[0-9]{4}" "$OUT/d2h.log" | tail -8 ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac
