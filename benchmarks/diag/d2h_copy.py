@@ -9,7 +9,8 @@ arrays of `GB` gigabytes in all (bf16 and fp32 leaves of `LEAF_MB` megabytes, as
   pageable             copy_to_host_async of every leaf, then np.asarray (Orbax's path without pinned memory)
   serial               np.asarray leaf by leaf (one transfer at a time)
 
-Each row prints GB/s of the copy and of the np.asarray after it. Random values (never zeros).
+Each row prints the copy's seconds and GB/s (for `pageable`, the copies and the np.asarray that waits on them) and
+the seconds of the np.asarray after it. Random values (never zeros).
 
     python benchmarks/diag/d2h_copy.py [GB] [LEAF_MB]      # defaults 8 and 256
 """
