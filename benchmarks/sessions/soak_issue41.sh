@@ -39,13 +39,21 @@ for binding in "${extra[@]}"; do CMD+=("--gin_param=$binding"); done
 
 steps_logged() { cat "$RUN_DIR/metrics.jsonl" 2>/dev/null | wc -l; }
 
-progress() {  # until the second run has ended or $1 seconds have passed
-  local t_end=$(( $(date +%s) + $1 ))
+no_run() {  # a machine given back between calls (30 s idle) comes back bare: say so at once, not after WAIT_S
+  [ -f "$RUN_DIR/soak_plan" ] && return 1
+  echo "soak: no run on this machine ($RUN_DIR/soak_plan is missing): the machine was given back since 'start'" \
+    "(it keeps a run only while warm). Run 'start' again." >&2
+}
+
+progress() {  # until the second run has ended or $1 seconds have passed, never past them (a call's limit)
+  local t_end=$(( $(date +%s) + $1 )) left
+  no_run && return 2
   while [ "$(date +%s)" -lt "$t_end" ]; do
     echo "[$(date +%H:%M:%S)] steps logged: $(steps_logged) of $STEPS; $(cat "$RUN_DIR/soak_state" 2>/dev/null)"
     grep -hE "Error|Traceback" "$RUN_DIR"/soak_run*.log 2>/dev/null | tail -2 | cut -c1-300
     grep -q "^run2 ended" "$RUN_DIR/soak_state" 2>/dev/null && return 0
-    sleep 30
+    left=$(( t_end - $(date +%s) ))
+    (( left > 0 )) && sleep $(( left < 30 ? left : 30 ))
   done
   return 1
 }
@@ -76,6 +84,7 @@ start() {
 }
 
 check() {
+  no_run && return 2
   (cd "$RUN_DIR" && tar -czf "$OUT/soak_run.tgz" metrics*.jsonl soak_plan soak_state soak_run*.log gpus.txt \
     watcher.log 2>/dev/null)
   python3 -m jaxrl_llm.bench.soak "$RUN_DIR" --rtol "${RTOL:-0}" --out "$OUT/soak_report.json"
@@ -84,8 +93,8 @@ check() {
 
 case "${1:?phase: start, wait, check, all or d2h}" in
   start) start ;;
-  wait) progress "${WAIT_S:-540}" ;;
-  check) check ;;
+  wait) progress "${WAIT_S:-540}"; rc=$?; [ $rc = 2 ] && exit 2 ;;
+  check) check || exit $? ;;
   all) WAIT_S=100000 start; check ;;
   d2h) timeout 150 python3 benchmarks/diag/d2h_copy.py "${D2H_GB:-16}" > "$OUT/d2h.log" 2>&1; echo "rc=$?"
        grep -vE "^(W|I)[0-9]{4}" "$OUT/d2h.log" | tail -8 ;;
