@@ -16,8 +16,11 @@
 #   d2h     (after check, where device time is left; about 60 s) benchmarks/diag/d2h_copy.py on D2H_GB (16) of
 #           leaves: where the checkpoint's device-to-host copy goes (pinned twice, pageable, serial)
 # Knobs: STEPS, SAVE_FREQ (20), KILL_AT, MAX_RESPONSE (256: a random model runs every row to its cap; the seed's
-# mean is 232), PRESET (qwen2p5_1p5b), PROMPTS (128), N (5), MINI (32), TOKEN_BUDGET (16384), RUN_DIR, DATA
-# (.bench_data), EXTRA_GIN (more bindings, space-separated).
+# mean is 232), PRESET (qwen2p5_1p5b), PROMPTS (128), N (5), MINI (32), TOKEN_BUDGET (16384), KEEP (1: the
+# checkpoints kept), RUN_DIR, DATA (.bench_data), EXTRA_GIN (more bindings, space-separated).
+# KEEP is 1, not the trainer's 2: the 1.5B's state is 18.5 GB (fp32 weights and two moments), incompressible once
+# the moments are nonzero, and the disk holds KEEP + 1 checkpoints while a save is in flight: 56 GB at 2, on the
+# one-GPU machine's 64 GiB disk beside the image and the compilation cache.
 source "$(dirname "$0")/common.sh"
 RUN_DIR=${RUN_DIR:-/tmp/soak_issue41}
 STEPS=${STEPS:-100}
@@ -31,6 +34,7 @@ CMD=(python3 -m jaxrl_llm.train --gin_file=gin/base.gin --gin_file=gin/algos/grp
   "--gin_param=rollout.n=${N:-5}" "--gin_param=actor.ppo_mini_batch_size=${MINI:-32}"
   "--gin_param=actor.ppo_max_token_len_per_gpu=${TOKEN_BUDGET:-16384}" "--gin_param=model.remat='auto'"
   "--gin_param=train.total_training_steps=$STEPS" "--gin_param=train.save_freq=$SAVE_FREQ"
+  "--gin_param=train.max_checkpoints_to_keep=${KEEP:-1}"
   "--gin_param=train.test_freq=-1" "--gin_param=train.driver='inprocess'" "--gin_param=train.progress_bar=False"
   "--gin_param=train.logger=('console', 'jsonl')" "--gin_param=train.run_dir='$RUN_DIR'"
   "--gin_param=train.compilation_cache_dir='/tmp/soak_issue41_xla'")
